@@ -1,15 +1,14 @@
 """Stage 00: the baseline. GPT-2 small, trained with the plain code of chapters 2 to 5 of the book.
 
-    python 00_orig.py            # the full 124M configuration (163M parameters) on a GPU
-    python 00_orig.py --tiny     # a small model that trains on a CPU in seconds
-
-Stage 01 is this file plus ten speed optimizations, stage 02 that plus DistributedDataParallel:
-diff the files to see them (git diff --no-index 00_orig.py 01_opt_single_gpu.py).
+Without flags it trains the full 124M configuration (163M parameters); --tiny trains a small model
+on a CPU in seconds; --help lists every flag. Each stage is the one before plus speed optimizations
+marked "NEW": diff them, e.g. git diff --no-index 00_orig.py 01_opt_single_gpu.py
 """
 
 import math
 import sys
 import time
+from pathlib import Path
 
 import matplotlib
 
@@ -75,8 +74,7 @@ class SlidingWindowDataset(Dataset):
 def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
     # the shuffle has its own generator, reseeded every epoch, so the batch order is reproducible
     generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                      generator=generator)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, generator=generator)
 
 
 #####################################
@@ -253,6 +251,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
     history = {"log": [], "tokens_seen": 0, "steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
     clock = common.TrainClock(device)
     global_step, interval_tokens, done = -1, 0, False
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
 
     for epoch in range(args.epochs):
         model.train()
@@ -267,9 +266,9 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             global_step += 1
             interval_tokens += tokens_per_step
             history["tokens_seen"] += tokens_per_step
-            done = global_step + 1 == args.max_steps
+            done = global_step + 1 == total_steps
 
-            if global_step % args.eval_freq == 0:
+            if global_step % args.eval_freq == 0 or done:  # also log the final step
                 clock.stop()  # evaluation is not training: keep it off the clock
                 seconds = clock.take()
                 step_tok_per_sec = interval_tokens / seconds
@@ -391,7 +390,7 @@ def main():
     on_cuda = device.type == "cuda"
     avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
     metrics = {
-        "script": "00_orig.py", "device": common.describe_device(device), "precision": precision,
+        "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
         "torch": torch.__version__, "world_size": 1, "config": cfg, "settings": settings, "data": args.data,
         "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
         "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec,
@@ -403,7 +402,7 @@ def main():
     common.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
-                  "settings": settings, "script": "00_orig.py", "step": history["steps"]}
+                  "settings": settings, "script": Path(__file__).name, "step": history["steps"]}
     common.save_atomically(lambda tmp: torch.save(checkpoint, tmp), out / "model.pth")
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
 

@@ -7,7 +7,6 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 from data import UsageError
+from data.corpus import current_umask
 
 __all__ = ["UsageError", "TrainingError"]
 
@@ -288,6 +288,7 @@ def save_atomically(save, path):
         save(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes files private; give them the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -304,10 +305,6 @@ def write_json(obj, path):
 
 def _json_default(value):
     raise TypeError(f"not JSON serializable: {value!r}")
-
-
-def finite_or_none(value):
-    return value if value is not None and math.isfinite(value) else None
 
 
 def run(main):

