@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import common
 from data import get_tokenizer, load_text
@@ -75,10 +75,10 @@ class SlidingWindowDataset(Dataset):
 
 def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
     # the shuffle has its own generator, reseeded every epoch, so the batch order is reproducible
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if shuffle else None
     # NEW (step 4): worker processes fill page-locked (pinned) buffers, which copy to the GPU asynchronously
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, generator=generator,
-                      num_workers=2, persistent_workers=True, pin_memory=torch.cuda.is_available())
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                      num_workers=2, pin_memory=torch.cuda.is_available())
 
 
 #####################################
@@ -238,7 +238,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
 
     for epoch in range(args.epochs):
         model.train()
-        train_loader.generator.manual_seed(args.seed + epoch)  # a new, reproducible order every epoch
+        train_loader.sampler.generator.manual_seed(args.seed + epoch)  # a new, reproducible order each epoch
         clock.start()
         for input_batch, target_batch in train_loader:
             heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 2}"
@@ -383,10 +383,10 @@ def main():
     avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
     metrics = {
         "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
-        "torch": torch.__version__, "world_size": 1, "config": cfg, "settings": settings, "data": args.data,
+        "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
         "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
         "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec,
-        "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]),
+        "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": 1,
         "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,
         "reserved_gb": torch.cuda.memory_reserved(device) / 1024**3 if on_cuda else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,

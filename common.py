@@ -121,6 +121,15 @@ def pick_device(choice):
     return torch.device(choice)
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def describe_device(device):
     import torch
 
@@ -152,8 +161,8 @@ PEAK_TFLOPS = (
 PRECISIONS = ("bf16", "tf32", "fp32")
 
 
-def peak_flops(device, precision):
-    """Dense peak FLOP/s of one GPU at this precision, or None (CPU, unknown GPU)."""
+def peak_flops(device, precision, num_gpus=1):
+    """Dense peak FLOP/s of `num_gpus` GPUs like `device` at this precision, or None (CPU, unknown GPU)."""
     import torch
 
     if device.type != "cuda":
@@ -162,7 +171,7 @@ def peak_flops(device, precision):
     for pattern, peaks in PEAK_TFLOPS:
         if re.search(pattern, name):
             tflops = peaks[PRECISIONS.index(precision)]
-            return tflops * 1e12 if tflops else None
+            return tflops * 1e12 * num_gpus if tflops else None
     return None
 
 

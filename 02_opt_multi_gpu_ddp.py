@@ -1,0 +1,443 @@
+"""Stage 02: stage 01 plus DistributedDataParallel, marked "NEW (DDP)": torchrun --nproc_per_node=4 this file.
+
+Without flags it trains the full 124M configuration (163M parameters); --tiny trains a small model
+on a CPU in seconds; --help lists every flag. Each stage is the one before plus speed optimizations
+marked "NEW": diff them, e.g. git diff --no-index 00_orig.py 01_opt_single_gpu.py
+"""
+
+import atexit  # NEW (DDP): to leave the process group on every way out
+import math
+import os  # NEW (DDP): torchrun describes the job in environment variables
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # write image files; no window
+import matplotlib.pyplot as plt
+import torch
+import torch.nn as nn
+import torch.distributed as dist  # NEW (DDP)
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP  # NEW (DDP)
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+from data import get_tokenizer, load_text
+
+GPT_CONFIG_124M = {
+    "vocab_size": 50304,     # NEW (step 9): GPT-2's 50,257 ids padded to a multiple of 64 for faster matmuls
+    "context_length": 1024,  # tokens per training window
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
+OTHER_SETTINGS = {
+    "learning_rate": 5e-4,
+    "weight_decay": 0.1,
+    "num_epochs": 5,
+    "batch_size": 32,  # NEW (step 10): the largest power of two that fits in GPU memory
+    "eval_freq": 20,
+    "eval_iter": 5,
+    "max_steps": 0,
+}
+
+REAL_VOCAB_SIZE = 50257  # NEW (step 9): the tokenizer's ids; the ids above are padding
+
+# --tiny: a model and batch small enough for a CPU; the code path is the same as the full run.
+TINY_CONFIG = {**GPT_CONFIG_124M, "context_length": 64, "emb_dim": 64, "n_heads": 4, "n_layers": 2}
+TINY_SETTINGS = {**OTHER_SETTINGS, "num_epochs": 1, "batch_size": 4, "eval_freq": 5, "eval_iter": 2,
+                 "max_steps": 30}
+
+
+#####################################
+# Chapter 2: data
+#####################################
+
+class SlidingWindowDataset(Dataset):
+    """Cut the token stream into windows of `context_length`; a target is its input shifted by one."""
+
+    def __init__(self, text, tokenizer, context_length, stride):
+        ids = tokenizer.encode(text, allowed_special={"<|endoftext|>"})
+        self.tokens = torch.tensor(ids, dtype=torch.long)
+        self.context_length = context_length
+        # a window needs context_length + 1 tokens: the inputs and the one token after them
+        self.starts = range(0, len(ids) - context_length, stride)
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, index):
+        start = self.starts[index]
+        window = self.tokens[start:start + self.context_length + 1]
+        return window[:-1], window[1:]
+
+
+def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
+    # NEW (DDP): each process takes its own disjoint share of the shuffled windows, reshuffled every epoch
+    sampler = DistributedSampler(dataset, seed=seed, drop_last=drop_last) if shuffle else None
+    # NEW (step 4): worker processes fill page-locked (pinned) buffers, which copy to the GPU asynchronously
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                      num_workers=2, pin_memory=torch.cuda.is_available())
+
+
+#####################################
+# Chapter 3: attention
+#####################################
+
+class MultiHeadAttention(nn.Module):
+    """Causal self-attention: each token mixes in the values of itself and the tokens before it."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        assert d_out % num_heads == 0, "the embedding must split evenly into heads"
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # NEW (step 7): one matmul for Q, K and V
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = dropout  # NEW (step 7): a probability: SDPA applies the dropout itself
+        # NEW (step 1): no stored mask buffer; the causal mask is made on the fly (by SDPA since step 7)
+
+    def forward(self, x):
+        batch, num_tokens, _ = x.shape
+
+        def split_heads(t):  # (batch, tokens, d_out) -> (batch, heads, tokens, head_dim)
+            return t.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+
+        queries, keys, values = map(split_heads, self.qkv(x).chunk(3, dim=-1))
+        # NEW (step 7): scaled_dot_product_attention picks FlashAttention on the GPU: no tokens x tokens matrix
+        context = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                 dropout_p=self.dropout if self.training else 0.0)
+        context = context.transpose(1, 2).reshape(batch, num_tokens, -1)
+        return self.out_proj(context)
+
+
+#####################################
+# Chapter 4: the GPT model
+#####################################
+
+# NEW (step 6): the hand-written LayerNorm and GELU are gone: PyTorch's fused kernels replace them
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(cfg["emb_dim"], 4 * cfg["emb_dim"]),
+            nn.GELU(approximate="tanh"),  # NEW (step 6)
+            nn.Linear(4 * cfg["emb_dim"], cfg["emb_dim"]),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.att = MultiHeadAttention(d_in=cfg["emb_dim"], d_out=cfg["emb_dim"], context_length=cfg["context_length"],
+                                      dropout=cfg["drop_rate"], num_heads=cfg["n_heads"], qkv_bias=cfg["qkv_bias"])
+        self.ff = FeedForward(cfg)
+        self.norm1 = nn.LayerNorm(cfg["emb_dim"])  # NEW (step 6)
+        self.norm2 = nn.LayerNorm(cfg["emb_dim"])  # NEW (step 6)
+        self.drop_shortcut = nn.Dropout(cfg["drop_rate"])
+
+    def forward(self, x):
+        # pre-LayerNorm residual blocks: x + f(norm(x))
+        x = x + self.drop_shortcut(self.att(self.norm1(x)))
+        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])
+        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])
+        self.drop_emb = nn.Dropout(cfg["drop_rate"])
+        self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg) for _ in range(cfg["n_layers"])])
+        self.final_norm = nn.LayerNorm(cfg["emb_dim"])  # NEW (step 6)
+        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)  # not tied to tok_emb
+
+    def forward(self, in_idx):
+        num_tokens = in_idx.shape[1]
+        positions = torch.arange(num_tokens, device=in_idx.device)
+        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))
+        x = self.trf_blocks(x)
+        return self.out_head(self.final_norm(x))
+
+
+def generate_text_simple(model, idx, max_new_tokens, context_size):
+    """Greedy decoding: append the most likely next token, max_new_tokens times."""
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits = model(idx[:, -context_size:])
+        next_id = logits[:, -1, :REAL_VOCAB_SIZE].argmax(dim=-1, keepdim=True)  # NEW (step 9): no padded ids
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+#####################################
+# Chapter 5: training
+#####################################
+
+def text_to_token_ids(text, tokenizer):
+    return torch.tensor(tokenizer.encode(text, allowed_special={"<|endoftext|>"})).unsqueeze(0)
+
+
+def token_ids_to_text(token_ids, tokenizer):
+    return tokenizer.decode(token_ids.squeeze(0).tolist())
+
+
+def calc_loss_batch(input_batch, target_batch, model, device):
+    # NEW (step 4): from pinned memory the copies run in the background while the GPU computes
+    input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
+    logits = model(input_batch)
+    return F.cross_entropy(logits.flatten(0, 1), target_batch.flatten())
+
+
+def calc_loss_loader(data_loader, model, device, num_batches=None):
+    """Mean loss over the first num_batches batches (all of them if None)."""
+    num_batches = len(data_loader) if num_batches is None else min(num_batches, len(data_loader))
+    if num_batches == 0:
+        return float("nan")
+    total = 0.0
+    for i, (input_batch, target_batch) in enumerate(data_loader):
+        if i >= num_batches:
+            break
+        total += calc_loss_batch(input_batch, target_batch, model, device).item()
+    return total / num_batches
+
+
+def evaluate_model(model, train_loader, val_loader, device, eval_iter):
+    model.eval()
+    with torch.no_grad():
+        train_loss = calc_loss_loader(train_loader, model, device, num_batches=eval_iter)
+        val_loss = calc_loss_loader(val_loader, model, device, num_batches=eval_iter)
+    model.train()
+    return train_loss, val_loss
+
+
+def generate_and_print_sample(model, tokenizer, device, start_context):
+    model.eval()
+    context_size = model.pos_emb.weight.shape[0]
+    encoded = text_to_token_ids(start_context, tokenizer).to(device)
+    token_ids = generate_text_simple(model, encoded, max_new_tokens=50, context_size=context_size)
+    print(token_ids_to_text(token_ids, tokenizer).replace("\n", " "))
+    model.train()
+
+
+def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat):
+    """The training loop: returns the history that metrics.json and the plot are made of."""
+    train_loader, train_eval_loader, val_loader = loaders
+    tokens_per_step = args.batch_size * speed["context_length"] * dist.get_world_size()  # NEW (DDP): all ranks
+    history = {"log": [], "tokens_seen": 0, "steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
+    clock = common.TrainClock(device)
+    global_step, interval_tokens, done = -1, 0, False
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+
+    for epoch in range(args.epochs):
+        model.train()
+        train_loader.sampler.set_epoch(epoch)  # NEW (DDP): a new, reproducible order each epoch, on every rank
+        clock.start()
+        for input_batch, target_batch in train_loader:
+            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 2}"
+            optimizer.zero_grad()
+            loss = calc_loss_batch(input_batch, target_batch, model, device)
+            loss.backward()
+            optimizer.step()
+            global_step += 1
+            interval_tokens += tokens_per_step
+            history["tokens_seen"] += tokens_per_step
+            done = global_step + 1 == total_steps
+
+            if global_step % args.eval_freq == 0 or done:  # also log the final step
+                clock.stop()  # evaluation is not training: keep it off the clock
+                seconds = clock.take()
+                step_tok_per_sec = interval_tokens / seconds
+                if global_step > 0:  # the first interval holds the warm-up: left out of the average
+                    history["timed_tokens"] += interval_tokens
+                    history["timed_seconds"] += seconds
+                avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
+                                   if history["timed_seconds"] else None)
+                mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
+                heartbeat.doing = "evaluating"
+                train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader, device, args.eval_iter)
+                if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
+                    raise common.TrainingError(f"the loss is not finite at step {global_step} "
+                                               f"(train {train_loss}, val {val_loss}); try a lower learning rate")
+                print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
+                      f"Step tok/sec: {round(step_tok_per_sec)}, Avg tok/sec: "
+                      + (f"{round(avg_tok_per_sec)}" if avg_tok_per_sec else "n/a")
+                      + (f", MFU: {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
+                history["log"].append({
+                    "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "val_loss": val_loss,
+                    "step_tok_per_sec": step_tok_per_sec, "avg_tok_per_sec": avg_tok_per_sec, "mfu": mfu,
+                    "tokens_seen": history["tokens_seen"], "epochs_seen": (global_step + 1) / len(train_loader),
+                })
+                interval_tokens = 0
+                clock.start()
+            if done:
+                break
+
+        clock.stop()  # the sample is not training either
+        heartbeat.doing = "generating a sample"
+        generate_and_print_sample(model.module, tokenizer, device,  # NEW (DDP): the model inside the wrapper
+                                  start_context="Every effort moves you")
+        if device.type == "cuda":
+            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / 1024**3:.4f} GB")
+            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / 1024**3:.4f} GB")
+        if done:
+            break
+    history["steps"] = global_step + 1
+    return history
+
+
+def plot_losses(history, path_stem):
+    log = history["log"]
+    fig, ax1 = plt.subplots(figsize=(5, 3))
+    epochs_seen = [entry["epochs_seen"] for entry in log]
+    ax1.plot(epochs_seen, [entry["train_loss"] for entry in log], label="Training loss")
+    ax1.plot(epochs_seen, [entry["val_loss"] for entry in log], linestyle="-.", label="Validation loss")
+    ax1.set_xlabel("Epochs")
+    ax1.set_ylabel("Loss")
+    ax1.legend(loc="upper right")
+    ax2 = ax1.twiny()  # a second x-axis: tokens seen
+    ax2.plot([entry["tokens_seen"] for entry in log], [entry["train_loss"] for entry in log], alpha=0)
+    ax2.set_xlabel("Tokens seen")
+    fig.tight_layout()
+    for suffix in (".pdf", ".png"):
+        fig.savefig(f"{path_stem}{suffix}", dpi=150)
+    plt.close(fig)
+
+
+#####################################
+# Main
+#####################################
+
+def setup_distributed(device_choice):
+    """NEW (DDP): join the process group that torchrun describes; plain `python` makes a group of one."""
+    rank = int(os.environ.get("RANK", 0))  # this process among all nodes: logging and files
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process on its node: which GPU
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+    device = common.pick_device(device_choice)
+    if device.type == "cuda":
+        per_node, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+        if per_node > gpus:
+            raise common.UsageError(f"{per_node} processes per node but this node has {gpus} GPU(s): "
+                                    f"use torchrun --nproc_per_node={gpus} (or fewer)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before the process group, so that NCCL uses this GPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    atexit.register(dist.destroy_process_group)  # on every way out, errors included
+    return rank, world_size, device
+
+
+def main():
+    parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
+    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)
+    cfg = TINY_CONFIG if args.tiny else GPT_CONFIG_124M
+    settings = {**(TINY_SETTINGS if args.tiny else OTHER_SETTINGS), "num_epochs": args.epochs,
+                "batch_size": args.batch_size, "eval_freq": args.eval_freq, "eval_iter": args.eval_iter,
+                "max_steps": args.max_steps}
+    rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
+    # NEW (step 2): TF32 tensor cores for float32 matmuls; they exist from Ampere (compute capability 8.0) on
+    ampere_or_newer = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    torch.set_float32_matmul_precision("high" if ampere_or_newer else "highest")
+    use_bf16 = device.type == "cpu" or ampere_or_newer  # NEW (step 5): bfloat16 where the hardware has it
+    precision = "bf16" if use_bf16 else "tf32" if ampere_or_newer else "fp32"  # NEW (steps 2, 5)
+    heartbeat = common.Heartbeat()
+
+    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | precision: {precision} | "
+          f"world size: {world_size}")  # NEW (DDP)
+
+    # Data: 90% of the text trains, 10% validates
+    heartbeat.doing = "reading and tokenizing the corpus"
+    text = load_text(args.data)
+    tokenizer = get_tokenizer()
+    split = int(0.9 * len(text))
+    context = cfg["context_length"]
+    train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
+    val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
+    if len(train_dataset) < args.batch_size:
+        raise common.UsageError(
+            f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
+            f"fewer than one batch of {args.batch_size}: use a longer text or a smaller --batch-size")
+    if len(val_dataset) == 0:
+        raise common.UsageError(
+            f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
+            "tokens: use a longer text")
+    train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
+    train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
+    val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
+    out = common.check_out_dir(args.out)
+    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
+          f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens per process, "
+          f"global batch {world_size * args.batch_size} sequences")  # NEW (DDP)
+
+    # Model and optimizer
+    torch.manual_seed(args.seed)
+    model = GPTModel(cfg).to(device)
+    if use_bf16:  # NEW (step 5): matmuls and activations in bfloat16; weights and AdamW stay float32 (see README)
+        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
+    if not args.no_compile:
+        model.compile()  # NEW (step 8): fuse the model's kernels; the state_dict keys stay the same
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
+                                  weight_decay=settings["weight_decay"], fused=True)  # NEW (step 3): one kernel
+    # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    num_params = sum(p.numel() for p in model.parameters())
+    speed = {"context_length": context,
+             "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
+             "peak_flops": common.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
+    print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
+    if device.type == "cpu" and not args.tiny:
+        print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
+
+    start = time.time()
+    history = train_model(ddp_model, optimizer, (train_loader, train_eval_loader, val_loader),  # NEW (DDP)
+                          device, args, speed, tokenizer, heartbeat)
+    print(f"Training took {(time.time() - start) / 60:.2f} minutes")
+
+    # NEW (DDP): the replicas must end identical: compare a checksum of the weights across ranks
+    checksums = [None] * world_size
+    dist.all_gather_object(checksums, sum(p.detach().double().sum().item() for p in model.parameters()))
+    print(f"Weight checksums of the {world_size} ranks: {'identical' if len(set(checksums)) == 1 else checksums}")
+    if rank != 0:
+        return  # NEW (DDP): only rank 0 writes files
+
+    # Outputs: metrics.json, loss.pdf/png, model.pth
+    heartbeat.doing = "writing outputs"
+    on_cuda = device.type == "cuda"
+    avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
+    metrics = {
+        "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
+        "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
+        "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
+        "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec,
+        "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
+        "weight_checksums": checksums,  # NEW (DDP)
+        "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,
+        "reserved_gb": torch.cuda.memory_reserved(device) / 1024**3 if on_cuda else None,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
+    }
+    common.write_json(metrics, out / "metrics.json")
+    plot_losses(history, out / "loss")
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
+                  "settings": settings, "script": Path(__file__).name, "step": history["steps"]}
+    common.save_atomically(lambda tmp: torch.save(checkpoint, tmp), out / "model.pth")
+    print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(main))
