@@ -76,8 +76,9 @@ class SlidingWindowDataset(Dataset):
 def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
     # the shuffle has its own generator, reseeded every epoch, so the batch order is reproducible
     sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if shuffle else None
+    # the loader's own generator (for worker seeds) leaves the global one, which drives dropout, alone
     # NEW (step 4): worker processes fill page-locked (pinned) buffers, which copy to the GPU asynchronously
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=torch.Generator(),
                       num_workers=2, pin_memory=torch.cuda.is_available())
 
 
@@ -227,26 +228,46 @@ def generate_and_print_sample(model, tokenizer, device, start_context):
     model.train()
 
 
-def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat):
-    """The training loop: returns the history that metrics.json and the plot are made of."""
+def check_finite(loss, step, *eval_losses):
+    """Stop (exit code 1) once a loss is NaN or infinite; checked at log lines and saves, not every step."""
+    if not all(math.isfinite(value) for value in (loss.item(), *eval_losses)):
+        raise common.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
+                                   f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
+
+
+def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat, save_checkpoint, resume=None):
+    """The training loop: returns the history that metrics.json and the plot are made of.
+
+    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth.
+    """
     train_loader, train_eval_loader, val_loader = loaders
-    tokens_per_step = args.batch_size * speed["context_length"]
+    tokens_per_step = speed["tokens_per_step"]
     history = {"log": [], "tokens_seen": 0, "steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
+    start_epoch, global_step, skip_batches = 0, -1, 0
+    if resume:
+        history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
+                                                           resume["batches_done"])
     clock = common.TrainClock(device)
-    global_step, interval_tokens, done = -1, 0, False
+    stop = common.StopSignal()  # Ctrl-C or SIGTERM: finish the step, save, exit
+    interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
 
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         model.train()
         train_loader.sampler.generator.manual_seed(args.seed + epoch)  # a new, reproducible order each epoch
+        batches = iter(train_loader)
+        batches_done = skip_batches if epoch == start_epoch else 0
+        for _ in range(batches_done):  # resuming: the batches this epoch trained before the checkpoint
+            next(batches)
         clock.start()
-        for input_batch, target_batch in train_loader:
+        for input_batch, target_batch in batches:
             heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 2}"
             optimizer.zero_grad()
             loss = calc_loss_batch(input_batch, target_batch, model, device)
             loss.backward()
             optimizer.step()
             global_step += 1
+            batches_done += 1
             interval_tokens += tokens_per_step
             history["tokens_seen"] += tokens_per_step
             done = global_step + 1 == total_steps
@@ -255,7 +276,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                 clock.stop()  # evaluation is not training: keep it off the clock
                 seconds = clock.take()
                 step_tok_per_sec = interval_tokens / seconds
-                if global_step > 0:  # the first interval holds the warm-up: left out of the average
+                if not first_interval:  # the first interval holds the warm-up: left out of the average
                     history["timed_tokens"] += interval_tokens
                     history["timed_seconds"] += seconds
                 avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
@@ -263,9 +284,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                 mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
                 heartbeat.doing = "evaluating"
                 train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader, device, args.eval_iter)
-                if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
-                    raise common.TrainingError(f"the loss is not finite at step {global_step} "
-                                               f"(train {train_loss}, val {val_loss}); try a lower learning rate")
+                check_finite(loss, global_step, train_loss, val_loss)
                 print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
                       f"Step tok/sec: {round(step_tok_per_sec)}, Avg tok/sec: "
                       + (f"{round(avg_tok_per_sec)}" if avg_tok_per_sec else "n/a")
@@ -275,7 +294,16 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     "step_tok_per_sec": step_tok_per_sec, "avg_tok_per_sec": avg_tok_per_sec, "mfu": mfu,
                     "tokens_seen": history["tokens_seen"], "epochs_seen": (global_step + 1) / len(train_loader),
                 })
-                interval_tokens = 0
+                interval_tokens, first_interval = 0, False
+                clock.start()
+            if done or stop.signum or (args.save_every and (global_step + 1) % args.save_every == 0):
+                clock.stop()
+                check_finite(loss, global_step)
+                history["steps"] = global_step + 1
+                save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
+                                 "history": history, "rng": common.rng_state(device)})
+                if stop.signum:
+                    raise common.Interrupted(stop.signum)
                 clock.start()
             if done:
                 break
@@ -365,16 +393,35 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=True)  # NEW (step 3): one kernel
     num_params = sum(p.numel() for p in model.parameters())
-    speed = {"context_length": context,
+    speed = {"context_length": context, "tokens_per_step": args.batch_size * context,
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "peak_flops": common.peak_flops(device, precision)}
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
     if device.type == "cpu" and not args.tiny:
         print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
 
+    settings["seed"] = args.seed
+    resume = None
+    if args.resume:
+        resume = common.load_checkpoint(args.resume, Path(__file__).name, cfg, speed["tokens_per_step"], args.seed)
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        common.restore_rng(resume["rng"], device)  # dropout continues where it left off
+        print(f"Resuming {args.resume} at step {resume['step']} (epoch {resume['epoch'] + 1})")
+
+    def save_checkpoint(progress):
+        """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
+        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
+                      "settings": settings, "script": Path(__file__).name,
+                      "tokens_per_step": speed["tokens_per_step"], **progress}
+        common.save_atomically(lambda tmp: torch.save(checkpoint, tmp), out / "model.pth")
+
     start = time.time()
-    history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader), device, args, speed,
-                          tokenizer, heartbeat)
+    try:
+        history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader), device, args, speed,
+                              tokenizer, heartbeat, save_checkpoint, resume)
+    except torch.cuda.OutOfMemoryError:
+        raise common.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes")
 
     # Outputs: metrics.json, loss.pdf/png, model.pth
@@ -393,9 +440,6 @@ def main():
     }
     common.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
-    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
-                  "settings": settings, "script": Path(__file__).name, "step": history["steps"]}
-    common.save_atomically(lambda tmp: torch.save(checkpoint, tmp), out / "model.pth")
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
 
 

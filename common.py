@@ -8,7 +8,9 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 import argparse
 import json
 import os
+import random
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -25,6 +27,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 class TrainingError(Exception):
     """The run failed while training (out of memory, a non-finite loss): exit code 1."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; the checkpoint is saved. Exit code 128 + the signal's number."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +295,90 @@ class Heartbeat:
 
 
 # ---------------------------------------------------------------------------------------------
+# Checkpoints, interrupts and failures
+# ---------------------------------------------------------------------------------------------
+
+class StopSignal:
+    """The first SIGINT/SIGTERM asks the loop to finish its step, save and exit; a second SIGINT quits at once."""
+
+    def __init__(self):
+        self.signum = None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving the checkpoint "
+              "(Ctrl-C again quits at once, without saving)", file=sys.stderr, flush=True)
+
+
+def rng_state(device):
+    import torch
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def restore_rng(state, device):
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "config", "settings", "script", "epoch", "batches_done", "step",
+                   "history", "rng", "tokens_per_step")
+
+
+def load_checkpoint(path, script, cfg, tokens_per_step, seed):
+    """Read a checkpoint for --resume, refusing (exit code 2) one that this run cannot continue."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--resume {path}: no such checkpoint file (a run writes <out>/model.pth)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, not a torch file, unpickling refused...
+        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(err).__name__}); the file is "
+                         "truncated or corrupt: use an intact model.pth") from None
+    if not isinstance(checkpoint, dict) or any(key not in checkpoint for key in CHECKPOINT_KEYS):
+        raise UsageError(f"--resume {path}: not a checkpoint of these scripts (keys missing)")
+    if checkpoint["script"] != script:
+        raise UsageError(f"--resume {path}: written by {checkpoint['script']}, not {script}: "
+                         f"resume it with {checkpoint['script']}")
+    for key, value in cfg.items():
+        if checkpoint["config"].get(key) != value:
+            raise UsageError(f"--resume {path}: model {key} is {checkpoint['config'].get(key)} in the checkpoint "
+                             f"but {value} here (--tiny on one side only?)")
+    if checkpoint["tokens_per_step"] != tokens_per_step:
+        raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']} tokens per step, "
+                         f"this run {tokens_per_step}: use the same --batch-size and number of processes")
+    if checkpoint["settings"].get("seed") != seed:
+        raise UsageError(f"--resume {path}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
+                         "pass the same seed, so the batch order continues")
+    return checkpoint
+
+
+def out_of_memory(device, batch_size, context_length):
+    """The message for CUDA running out of memory: what failed, what was in use, what to try next."""
+    import torch
+
+    in_use = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        in_use = (f" ({torch.cuda.memory_allocated(device) / 1024**3:.1f} GiB allocated, "
+                  f"{torch.cuda.memory_reserved(device) / 1024**3:.1f} GiB reserved of {total / 1024**3:.1f} GiB)")
+    hint = (f"try --batch-size {batch_size // 2}" if batch_size > 1
+            else "even one sequence does not fit: use a smaller model or a larger GPU")
+    return TrainingError(f"out of GPU memory with a batch of {batch_size} x {context_length} tokens{in_use}: {hint}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
 
@@ -326,7 +420,10 @@ def run(main):
     except TrainingError as err:
         print(f"training failed: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except Interrupted as err:
+        print(f"stopped by {err}; the checkpoint is saved: add --resume <out>/model.pth to go on", file=sys.stderr)
+        return 128 + err.signum
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted at once: the last saved checkpoint (if any) is intact", file=sys.stderr)
         return 130
     return EXIT_OK

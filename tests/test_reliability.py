@@ -1,0 +1,297 @@
+"""Runs that survive: exact resume, interrupts, atomic checkpoints, bad checkpoints, out of memory, NaN, dead ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+from conftest import ROOT, run_script
+
+STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
+
+
+def eager(script):
+    return ["--no-compile"] if not script.startswith("00") else []
+
+
+def logged_losses(out):
+    log = json.loads((Path(out) / "metrics.json").read_text())["log"]
+    return {entry["step"]: (entry["train_loss"], entry["val_loss"]) for entry in log}
+
+
+@pytest.mark.parametrize("script", STAGES)
+def test_resume_continues_exactly(tmp_path, small_text, script):
+    """2N steps in one go == N steps, then --resume for N more: the same losses at every logged step."""
+    flags = ["--tiny", "--data", small_text, "--epochs", "3", "--eval-freq", "10", *eager(script)]
+    # 70 steps cross the epoch boundary (57 steps per epoch), and dropout (0.1) is on: the RNG must resume too
+    whole = run_script(script, *flags, "--out", tmp_path / "whole", "--max-steps", "70")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first = run_script(script, *flags, "--out", tmp_path / "split", "--max-steps", "35")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_script(script, *flags, "--out", tmp_path / "split", "--max-steps", "70",
+                        "--resume", tmp_path / "split" / "model.pth")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Resuming" in second.stdout and "at step 35" in second.stdout
+
+    expected, resumed = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "split")
+    assert set(expected) <= set(resumed)  # the resumed run also logged step 34, where the first part ended
+    assert max(expected) == 69 and max(resumed) == 69
+    for step, losses in expected.items():
+        assert resumed[step] == pytest.approx(losses, abs=1e-6), step
+    metrics = json.loads((tmp_path / "split" / "metrics.json").read_text())
+    assert metrics["steps"] == 70 and metrics["tokens_seen"] == 70 * 4 * 64
+
+
+def wait_for(predicate, timeout, interval=0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_saves_then_resume_finishes(tmp_path, small_text, signum, exit_code):
+    out = tmp_path / "run"
+    flags = ["--tiny", "--data", small_text, "--out", out, "--epochs", "50", "--eval-freq", "5"]
+    proc = subprocess.Popen([sys.executable, "00_orig.py", *map(str, flags)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        # wait until training has logged a few lines
+        lines = []
+        while len([line for line in lines if line.startswith("Ep ")]) < 3:
+            line = proc.stdout.readline()
+            assert line, "the run ended before it could be interrupted"
+            lines.append(line)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == exit_code, stderr
+    assert "Traceback" not in stderr and "--resume" in stderr
+    checkpoint = torch.load(out / "model.pth", weights_only=True)
+    assert checkpoint["step"] >= 11  # it trained on after the 3rd log line (step 10) until the signal
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+    resumed = run_script("00_orig.py", *flags, "--max-steps", checkpoint["step"] + 6, "--resume", out / "model.pth")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == checkpoint["step"] + 6
+
+
+def test_save_every_writes_checkpoints_during_the_run(tmp_path, small_text):
+    out = tmp_path / "run"
+    result = run_script("00_orig.py", "--tiny", "--data", small_text, "--out", out, "--max-steps", "12",
+                        "--save-every", "5", "--eval-freq", "100")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == 12
+
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "model.pth"
+    torch.save({"version": 1}, target)
+
+    def broken_save(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        common.save_atomically(broken_save, target)
+    assert torch.load(target, weights_only=True) == {"version": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]  # the partial file is gone
+
+    common.save_atomically(lambda tmp: torch.save({"version": 2}, tmp), target)
+    assert torch.load(target, weights_only=True) == {"version": 2}
+    assert oct(target.stat().st_mode & 0o777) != oct(0o600)  # not mkstemp's private mode
+
+
+def test_a_process_killed_while_saving_leaves_the_old_checkpoint(tmp_path):
+    """SIGKILL in the middle of a write: the file is either the old one or the new one, never partial."""
+    target = tmp_path / "model.pth"
+    torch.save({"version": 1}, target)
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import common
+def slow_save(tmp):
+    with open(tmp, "wb") as f:
+        f.write(b"x" * 1000)
+        f.flush()
+        print("writing", flush=True)
+        time.sleep(60)
+common.save_atomically(slow_save, {str(target)!r})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert torch.load(target, weights_only=True) == {"version": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A real checkpoint of a 6-step 00 --tiny run, for the --resume refusals."""
+    from data import load_text
+    folder = tmp_path_factory.mktemp("checkpoint")
+    text = folder / "small.txt"
+    text.write_text(load_text("shakespeare")[:60_000], encoding="utf-8")
+    result = run_script("00_orig.py", "--tiny", "--data", text, "--out", folder / "run", "--max-steps", "6")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return folder / "run" / "model.pth", text
+
+
+def corrupt(path, tmp_path, how):
+    broken = tmp_path / f"{how}.pth"
+    data = Path(path).read_bytes()
+    broken.write_bytes(data[: len(data) // 2] if how == "truncated" else b"not a checkpoint at all\n" * 10)
+    return broken
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated", "garbage", "other-stage", "other-config",
+                                  "other-batch", "other-seed", "not-a-checkpoint"])
+def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
+    checkpoint, text = tiny_checkpoint
+    script, extra = "00_orig.py", ["--tiny"]
+    if case == "missing":
+        path = tmp_path / "nope.pth"
+    elif case in ("truncated", "garbage"):
+        path = corrupt(checkpoint, tmp_path, case)
+    elif case == "not-a-checkpoint":
+        path = tmp_path / "weights.pth"
+        torch.save({"weights": torch.zeros(3)}, path)
+    else:
+        path = checkpoint
+        script, extra = {"other-stage": ("01_opt_single_gpu.py", ["--tiny", "--no-compile"]),
+                         "other-config": ("00_orig.py", []),
+                         "other-batch": ("00_orig.py", ["--tiny", "--batch-size", "2"]),
+                         "other-seed": ("00_orig.py", ["--tiny", "--seed", "7"])}[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.pth").write_bytes(b"sentinel")
+    result = run_script(script, *extra, "--data", text, "--out", out, "--resume", path, "--max-steps", "8")
+    assert result.returncode == 2, result.stdout[-1000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    message = result.stderr.strip()
+    assert message and "\n" not in message, message
+    assert "--resume" in message
+    expected_word = {"missing": "no such", "truncated": "corrupt", "garbage": "corrupt",
+                     "not-a-checkpoint": "not a checkpoint", "other-stage": "00_orig.py",
+                     "other-config": "context_length", "other-batch": "tokens per step",
+                     "other-seed": "seed"}[case]
+    assert expected_word in message
+    assert (out / "model.pth").read_bytes() == b"sentinel"
+
+
+def test_checkpoint_holds_what_resume_needs(tiny_checkpoint, stage00):
+    checkpoint = torch.load(tiny_checkpoint[0], weights_only=True)
+    for key in common.CHECKPOINT_KEYS:
+        assert key in checkpoint, key
+    assert checkpoint["script"] == "00_orig.py" and checkpoint["step"] == 6
+    assert checkpoint["config"] == stage00.TINY_CONFIG
+    assert checkpoint["settings"]["seed"] == 123 and checkpoint["tokens_per_step"] == 4 * 64
+    assert isinstance(checkpoint["rng"]["torch"], torch.Tensor)
+    assert checkpoint["optimizer"]["state"], "AdamW's moments are saved"
+
+
+def run_with_fault(tmp_path, small_text, fault, *flags):
+    """Run 00_orig.py's main in a subprocess with one of its functions replaced by a faulty one."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from conftest import load_stage
+import common
+stage = load_stage("00_orig.py")
+{fault}
+sys.argv = ["00_orig.py", "--tiny", "--data", {str(small_text)!r}, "--out", {str(tmp_path / 'run')!r}, *{flags!r}]
+sys.exit(common.run(stage.main))
+"""
+    return run_script("-c", code)
+
+
+def test_out_of_memory_ends_with_a_hint(tmp_path, small_text):
+    fault = """
+def out_of_memory(*args, **kwargs):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+stage.train_model = out_of_memory
+"""
+    result = run_with_fault(tmp_path, small_text, fault, "--batch-size", "8")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    message = result.stderr.strip()
+    assert "out of GPU memory" in message and "8 x 64" in message and "--batch-size 4" in message
+
+
+def test_non_finite_loss_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tmp_path, small_text):
+    fault = """
+real_loss, calls = stage.calc_loss_batch, []
+def loss_that_explodes(input_batch, target_batch, model, device):
+    loss = real_loss(input_batch, target_batch, model, device)
+    if torch.is_grad_enabled():
+        calls.append(1)
+        if len(calls) == 8:  # the 8th training step (step 7) goes NaN
+            return loss * float("nan")
+    return loss
+stage.calc_loss_batch = loss_that_explodes
+"""
+    result = run_with_fault(tmp_path, small_text, fault, "--save-every", "5", "--eval-freq", "10", "--max-steps", "30")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "not finite" in result.stderr and "Traceback" not in result.stderr
+    checkpoint = torch.load(tmp_path / "run" / "model.pth", weights_only=True)
+    assert checkpoint["step"] == 5  # saved before the NaN; the save at step 10 was refused
+    assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
+
+
+def child_pids(pid):
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def rank_of(pid):
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(int(item.split(b"=")[1]) for item in environ if item.startswith(b"RANK="))
+
+
+def test_ddp_job_ends_when_a_rank_dies_and_the_checkpoint_resumes(tmp_path, small_text):
+    out = tmp_path / "run"
+    flags = ["02_opt_multi_gpu_ddp.py", "--tiny", "--no-compile", "--data", small_text, "--out", out,
+             "--epochs", "50", "--eval-freq", "5", "--save-every", "5"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen([*launcher, *map(str, flags)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert wait_for(lambda: (out / "model.pth").exists(), timeout=120), "no checkpoint was written"
+        workers = child_pids(proc.pid)
+        assert len(workers) == 2
+        victim = next(pid for pid in workers if rank_of(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=90)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    step = torch.load(out / "model.pth", weights_only=True)["step"]
+    resumed = subprocess.run([*launcher, *map(str, flags[:-2]), "--max-steps", str(step + 3),
+                              "--resume", str(out / "model.pth")], cwd=ROOT, capture_output=True, text=True,
+                             timeout=180)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == step + 3
