@@ -200,7 +200,8 @@ def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): from pinned memory the copies run in the background while the GPU computes
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
     logits = model(input_batch)
-    return F.cross_entropy(logits.flatten(0, 1), target_batch.flatten())
+    # NEW (step 5): the loss in float32: bf16 would round it to 3 digits (compile fuses the cast away)
+    return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
 
 
 def calc_loss_loader(data_loader, model, device, num_batches=None):
@@ -400,10 +401,11 @@ def main():
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
     val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
-    if len(train_dataset) < args.batch_size:
+    if len(train_dataset) < args.batch_size * world_size:  # NEW (DDP): one batch for every process
         raise common.UsageError(
             f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
-            f"fewer than one batch of {args.batch_size}: use a longer text or a smaller --batch-size")
+            f"fewer than one batch of {args.batch_size} for each of {world_size} processes: "  # NEW (DDP)
+            "use a longer text or a smaller --batch-size")
     if len(val_dataset) == 0:
         raise common.UsageError(
             f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
