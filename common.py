@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from data import UsageError
-from data.corpus import current_umask
+from data.files import save_atomically
 
 __all__ = ["UsageError", "TrainingError"]
 
@@ -381,22 +381,6 @@ def out_of_memory(device, batch_size, context_length):
 # ---------------------------------------------------------------------------------------------
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
-
-def save_atomically(save, path):
-    """Call save(tmp_path), flush it to disk, then rename over `path`: a crash leaves the old file whole."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes files private; give them the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 def write_json(obj, path):
     def save(tmp):

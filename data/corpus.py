@@ -9,10 +9,11 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from data.files import write_atomically
 
 CACHE_DIR = Path(__file__).resolve().parent / "cache"
 ENDOFTEXT = "<|endoftext|>"
@@ -65,28 +66,6 @@ def _cached(path, build):
     if not path.exists():
         write_atomically(path, build().encode("utf-8"))
     return path.read_text(encoding="utf-8")
-
-
-def write_atomically(path, data):
-    """Write to a temporary file beside `path`, flush it to disk, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes files private; give them the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def current_umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def download_text(url, timeout=DOWNLOAD_TIMEOUT_S):

@@ -10,7 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from data.corpus import package_dir, write_atomically
+from data.corpus import package_dir
+from data.files import write_atomically
 
 _BASE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
 # file name -> (the address tiktoken reads it from, the sha256 tiktoken expects)
