@@ -41,33 +41,31 @@ class Interrupted(Exception):
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2 instead of argparse's usage block
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 
-def _whole_number(text, minimum):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-    return value
+def whole_number(minimum):
+    """An argparse type: an int no smaller than `minimum`."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
 
 
-def _positive_int(text):
-    return _whole_number(text, 1)
-
-
-def _non_negative_int(text):
-    return _whole_number(text, 0)
+_positive_int, _non_negative_int = whole_number(1), whole_number(0)
 
 
 def build_parser(description, settings, tiny_settings):
     """The flags shared by the three stages; `settings` gives the stage's defaults."""
-    parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     script = Path(sys.argv[0]).stem
 
     def default(key):

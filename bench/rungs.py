@@ -1,0 +1,314 @@
+"""The rungs of the benchmark ladder, composed from the stage scripts' own code.
+
+Rung 0 is 00_orig.py, rung 10 is 01_opt_single_gpu.py, and rung k (1 to 9) is rung k-1 plus
+optimization k of SPEC.md. No rung has a model of its own: each one loads fresh copies of 00 and 01
+as modules and picks its parts from them (model classes, config dicts, data loader, loss function),
+wired in the order 01's main() wires them. The one part neither stage has is rung 1's attention
+(stage 00's hand-written attention, but with the causal mask made at each call): it is below.
+
+Why one timing loop for every rung 0..10 instead of running 00 and 01 themselves for rungs 0 and 10:
+the scripts log at evaluation points, leave only their first interval out as warm-up and evaluate
+between intervals, so their clock differs from what a composed rung could use. Measuring all eleven
+single-process rungs with the same loop (same corpus, seed, batch order, warm-up and timing windows,
+nothing but training steps on the clock) makes every ratio between two rungs a clean one. Rung 11
+(DDP, several processes) cannot be composed that way; ladder.py runs the real 02 under torchrun.
+"""
+
+import importlib.util
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE_00 = "00_orig.py"
+STAGE_01 = "01_opt_single_gpu.py"
+STAGE_02 = "02_opt_multi_gpu_ddp.py"
+
+# The step each rung adds, in SPEC.md's order and with its numbers.
+CHANGES = {
+    0: "baseline: 00_orig.py as it is",
+    1: "causal mask made on the fly",
+    2: "TF32 tensor cores",
+    3: "fused AdamW",
+    4: "pinned memory, non-blocking copies, loader workers",
+    5: "bfloat16 autocast",
+    6: "nn.LayerNorm and nn.GELU",
+    7: "scaled_dot_product_attention, fused QKV",
+    8: "torch.compile",
+    9: "vocabulary padded to 50,304",
+    10: "larger batch: 01_opt_single_gpu.py as it is",
+    11: "DDP on every GPU: 02_opt_multi_gpu_ddp.py",
+}
+SINGLE_PROCESS_RUNGS = range(0, 11)
+ALL_RUNGS = range(0, 12)
+
+_load_counter = itertools.count()
+
+
+def load_stage(filename):
+    """A fresh module object for a stage script (its name starts with a digit, so no plain import).
+
+    Every call executes the file again, so patching one copy's globals never leaks into another rung.
+    """
+    path = ROOT / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{filename} does not exist")
+    name = f"ladder_{path.stem}_{next(_load_counter)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts neither stage has
+# ---------------------------------------------------------------------------------------------
+
+def on_the_fly_mask_attention(stage00):
+    """Rung 1's attention: stage 00's class, minus its stored mask buffer; the mask is made per call.
+
+    Built per stage-00 module because it subclasses that module's own MultiHeadAttention.
+    """
+
+    class OnTheFlyMaskAttention(stage00.MultiHeadAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            del self.mask  # the (context x context) buffer that step 1 removes
+
+        def forward(self, x):
+            batch, num_tokens, _ = x.shape
+
+            def split_heads(t):  # (batch, tokens, d_out) -> (batch, heads, tokens, head_dim)
+                return t.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+
+            queries, keys, values = split_heads(self.W_query(x)), split_heads(self.W_key(x)), split_heads(self.W_value(x))
+            scores = queries @ keys.transpose(2, 3)
+            # step 1: True above the diagonal marks the future, made for this call's length only
+            future = torch.triu(torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=x.device), diagonal=1)
+            scores = scores.masked_fill(future, float("-inf"))
+            weights = self.dropout(torch.softmax(scores / self.head_dim**0.5, dim=-1))
+            context = (weights @ values).transpose(1, 2).reshape(batch, num_tokens, -1)
+            return self.out_proj(context)
+
+    return OnTheFlyMaskAttention
+
+
+def native_layer_norm(emb_dim):
+    """Step 6: stands in for stage 00's LayerNorm class (same constructor call) with PyTorch's own."""
+    return nn.LayerNorm(emb_dim)
+
+
+def native_gelu():
+    """Step 6: stands in for stage 00's GELU class with PyTorch's own (the same tanh approximation)."""
+    return nn.GELU(approximate="tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# Composing a rung
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Rung:
+    """Everything the timing loop needs for one rung, taken from the stage modules."""
+
+    number: int
+    device: torch.device
+    cfg: dict
+    settings: dict
+    precision: str                 # what MFU is measured against: fp32, tf32 or bf16
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data_stage: ModuleType         # the stage whose dataset, DataLoader and calc_loss_batch this rung uses
+    notes: list = field(default_factory=list)
+
+    @property
+    def batch_size(self):
+        return self.settings["batch_size"]
+
+    def make_train_loader(self, text, tokenizer, seed):
+        """The training split's loader, cut and shuffled exactly as the stage scripts do it."""
+        split = int(0.9 * len(text))  # the scripts' 90/10 split; only the training part is used here
+        context = self.cfg["context_length"]
+        dataset = self.data_stage.SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
+        loader = self.data_stage.create_dataloader(dataset, self.batch_size, shuffle=True, drop_last=True, seed=seed)
+        if len(loader) == 0:
+            raise ValueError(f"the training split holds {len(dataset)} windows of {context + 1} tokens, "
+                             f"fewer than one batch of {self.batch_size}: use a longer text (--data)")
+        return loader
+
+    def train_step(self, inputs, targets):
+        """One optimizer step, the stage scripts' four lines."""
+        self.optimizer.zero_grad()
+        loss = self.data_stage.calc_loss_batch(inputs, targets, self.model, self.device)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+
+def ampere_or_newer(device):
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def model_config(number, tiny, stage00, stage01):
+    """The model config dict of rung `number`: step 9 (the padded vocabulary) comes with 01's."""
+    stage = stage01 if number >= 9 else stage00
+    return dict(stage.TINY_CONFIG if tiny else stage.GPT_CONFIG_124M)
+
+
+def training_settings(number, tiny, stage00, stage01):
+    """The settings dict (batch size, learning rate...) of rung `number`: step 10 comes with 01's."""
+    stage = stage01 if number >= 10 else stage00
+    return dict(stage.TINY_SETTINGS if tiny else stage.OTHER_SETTINGS)
+
+
+def compose(number, device, tiny, seed=123):
+    """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01."""
+    if number not in SINGLE_PROCESS_RUNGS:
+        raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
+    stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
+    cfg = model_config(number, tiny, stage00, stage01)
+    settings = training_settings(number, tiny, stage00, stage01)
+    notes = []
+    if number == 9:
+        notes.append(f"vocab {model_config(8, tiny, stage00, stage01)['vocab_size']:,} -> {cfg['vocab_size']:,}")
+    if number == 10:
+        before = training_settings(9, tiny, stage00, stage01)["batch_size"]
+        notes.append(f"batch {before} -> {settings['batch_size']}"
+                     + (" (--tiny keeps the stages' tiny batch)" if before == settings["batch_size"] else ""))
+
+    # Steps 2 and 5, decided as 01's main() decides them.
+    tensor_cores = ampere_or_newer(device)
+    torch.set_float32_matmul_precision("high" if number >= 2 and tensor_cores else "highest")
+    use_bf16 = number >= 5 and (device.type == "cpu" or tensor_cores)
+    precision = "bf16" if use_bf16 else "tf32" if number >= 2 and tensor_cores else "fp32"
+    if number == 2 and not tensor_cores:
+        notes.append("no effect here: TF32 needs a GPU of compute capability 8.0 or newer")
+    if number == 4 and device.type != "cuda":
+        notes.append("no pinning off CUDA: workers and non_blocking only")
+    if number == 5 and not use_bf16:
+        notes.append("no effect here: this GPU has no bfloat16 (01 keeps float32 too)")
+
+    # The model. From rung 7 on every model part is 01's, so 01's GPTModel itself is used;
+    # before that, stage 00's GPTModel with its module globals swapped for the steps taken so far
+    # (its TransformerBlock, FeedForward and GPTModel look these names up when they are built).
+    if number >= 7:
+        model_stage = stage01
+    else:
+        model_stage = stage00
+        if number >= 1:
+            stage00.MultiHeadAttention = on_the_fly_mask_attention(stage00)
+        if number >= 6:
+            stage00.LayerNorm = native_layer_norm
+            stage00.GELU = native_gelu
+    torch.manual_seed(seed)
+    model = model_stage.GPTModel(cfg).to(device)
+    model.train()
+    if use_bf16:  # step 5, as in 01: autocast around forward; weights and AdamW stay float32
+        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
+    if number >= 8:  # step 8, after the autocast wrapper as in 01
+        model.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
+                                  weight_decay=settings["weight_decay"],
+                                  fused=True if number >= 3 else None)  # step 3; None: PyTorch's default
+
+    # Step 4 lives in 01's create_dataloader (workers, pinning) and calc_loss_batch (non_blocking).
+    data_stage = stage01 if number >= 4 else stage00
+    return Rung(number=number, device=device, cfg=cfg, settings=settings, precision=precision, model=model,
+                optimizer=optimizer, data_stage=data_stage, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+def endless_batches(loader, seed):
+    """The scripts' batch order, epoch after epoch: the shuffle is reseeded with seed + epoch.
+
+    The generator that drives the shuffle is the sampler's (the stages' RandomSampler); a loader
+    shuffling with its own generator (shuffle=True) is reseeded there instead.
+    """
+    shuffle_generator = getattr(loader.sampler, "generator", None) or loader.generator
+    for epoch in itertools.count():
+        shuffle_generator.manual_seed(seed + epoch)
+        yield from loader
+
+
+def window_sizes(steps, windows):
+    """Split `steps` into `windows` runs of nearly equal length (never an empty one)."""
+    windows = max(1, min(windows, steps))
+    return [steps // windows + (1 if i < steps % windows else 0) for i in range(windows)]
+
+
+class WindowTimer:
+    """Seconds of one timing window: CUDA events after a synchronize on GPU, perf_counter on CPU.
+
+    The end event is waited for, so every kernel queued in the window is counted in full; gaps in
+    which the GPU waits for the host (e.g. for data) lie between the events and are counted too.
+    """
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return self._start.elapsed_time(end) / 1000
+        return time.perf_counter() - self._start
+
+
+def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpose=False):
+    """Warm up (untimed), then time `steps` training steps in windows; no evaluation on the clock."""
+    batches = endless_batches(loader, seed)
+    tokens_per_step = rung.batch_size * rung.cfg["context_length"]
+
+    if fail_on_purpose:  # ladder.py's LADDER_FAIL_RUNG testing hook: a crash as a real one would look
+        raise RuntimeError(f"rung {rung.number} failed on purpose (LADDER_FAIL_RUNG testing hook)")
+
+    started = time.perf_counter()
+    for step in range(warmup):
+        loss = rung.train_step(*next(batches))
+        if step == 0:
+            say(f"warm-up step 1 took {time.perf_counter() - started:.1f} s"
+                + (" (includes compilation)" if rung.number >= 8 else ""))
+    if rung.device.type == "cuda":
+        torch.cuda.synchronize()
+    warmup_seconds = time.perf_counter() - started
+    say(f"warm-up: {warmup} steps in {warmup_seconds:.1f} s")
+
+    timer = WindowTimer(rung.device)
+    window_tok_per_sec = []
+    sizes = window_sizes(steps, windows)
+    for index, size in enumerate(sizes):
+        timer.start()
+        for _ in range(size):
+            loss = rung.train_step(*next(batches))
+        seconds = timer.stop()
+        window_tok_per_sec.append(size * tokens_per_step / seconds)
+        say(f"window {index + 1}/{len(sizes)}: {size} steps in {seconds:.3f} s, "
+            f"{window_tok_per_sec[-1]:,.0f} tok/s")
+
+    return {
+        "tokens_per_sec": statistics.median(window_tok_per_sec),
+        "tokens_per_sec_min": min(window_tok_per_sec),
+        "tokens_per_sec_max": max(window_tok_per_sec),
+        "window_tokens_per_sec": window_tok_per_sec,
+        "final_loss": loss.item(),  # the last measured step's loss, read after the clock stopped
+        "warmup_seconds": warmup_seconds,
+        "tokens_per_step": tokens_per_step,
+    }
