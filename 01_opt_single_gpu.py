@@ -79,7 +79,7 @@ def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
     # the loader's own generator (for worker seeds) leaves the global one, which drives dropout, alone
     # NEW (step 4): worker processes fill page-locked (pinned) buffers, which copy to the GPU asynchronously
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=torch.Generator(),
-                      num_workers=2, pin_memory=torch.cuda.is_available())
+                      num_workers=2, pin_memory=torch.cuda.is_available(), worker_init_fn=common.quiet_worker)
 
 
 #####################################
@@ -297,14 +297,15 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                 })
                 interval_tokens, first_interval = 0, False
                 clock.start()
-            if done or stop.signum or (args.save_every and (global_step + 1) % args.save_every == 0):
+            stop_signum = stop.requested()
+            if done or stop_signum or (args.save_every and (global_step + 1) % args.save_every == 0):
                 clock.stop()
                 check_finite(loss, global_step)
                 history["steps"] = global_step + 1
                 save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
                                  "history": history, "rng": common.rng_state(device)})
-                if stop.signum:
-                    raise common.Interrupted(stop.signum)
+                if stop_signum:
+                    raise common.Interrupted(stop_signum)
                 clock.start()
             if done:
                 break

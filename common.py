@@ -297,12 +297,21 @@ class Heartbeat:
 # ---------------------------------------------------------------------------------------------
 
 class StopSignal:
-    """The first SIGINT/SIGTERM asks the loop to finish its step, save and exit; a second SIGINT quits at once."""
+    """The first SIGINT/SIGTERM asks the loop to finish its step, save and exit; a second SIGINT quits at once.
+
+    In a distributed run every rank must stop after the same step (a rank that went on would wait forever
+    in the next gradient all-reduce), so requested() lets the ranks agree through a small CPU (gloo) group.
+    """
 
     def __init__(self):
+        import torch.distributed as dist
+
         self.signum = None
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
+        self._group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")  # every rank builds its StopSignal at the same point
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
@@ -310,6 +319,25 @@ class StopSignal:
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving the checkpoint "
               "(Ctrl-C again quits at once, without saving)", file=sys.stderr, flush=True)
+
+    def requested(self):
+        """The signal to stop for (0: none), the same on every rank; called by every rank after every step."""
+        if self._group is None:
+            return self.signum or 0
+        import torch
+        import torch.distributed as dist
+
+        signum = torch.tensor([self.signum or 0])
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX, group=self._group)  # CPU only: no GPU sync
+        return int(signum.item())
+
+
+def quiet_worker(worker_id):
+    """worker_init_fn for DataLoader workers: Ctrl-C (sent to the whole process group) and SIGTERM (sent by
+    torchrun to each worker's group) are for the training process to handle; a worker dying of them would
+    crash it before it could save."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def rng_state(device):

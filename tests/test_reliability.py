@@ -297,3 +297,54 @@ def test_ddp_job_ends_when_a_rank_dies_and_the_checkpoint_resumes(tmp_path, smal
                              timeout=180)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert torch.load(out / "model.pth", weights_only=True)["step"] == step + 3
+
+
+def start_and_wait_for_log_lines(command, lines_wanted, **popen_args):
+    """Start a training command and return it once it has printed `lines_wanted` log lines."""
+    proc = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **popen_args)
+    seen = 0
+    while seen < lines_wanted:
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError("the run ended before it could be interrupted: " + proc.stderr.read()[-2000:])
+        seen += line.startswith("Ep ")
+    return proc
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path, small_text, signum, exit_code):
+    """Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches stage 01's DataLoader workers too; the
+    training process must still finish its step, save and exit (a worker killed by SIGTERM would crash it)."""
+    out = tmp_path / "run"
+    command = [sys.executable, "01_opt_single_gpu.py", "--tiny", "--no-compile", "--data", str(small_text),
+               "--out", str(out), "--epochs", "50", "--max-steps", "0", "--eval-freq", "5"]
+    proc = start_and_wait_for_log_lines(command, 3, start_new_session=True)
+    try:
+        os.killpg(proc.pid, signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == exit_code, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert torch.load(out / "model.pth", weights_only=True)["step"] >= 11
+
+
+def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step(tmp_path, small_text):
+    """torchrun forwards SIGTERM to each worker's process group: the ranks agree on the step, rank 0 saves."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "02_opt_multi_gpu_ddp.py", "--tiny", "--no-compile", "--data", str(small_text), "--out", str(out),
+               "--epochs", "50", "--max-steps", "0", "--eval-freq", "5"]
+    proc = start_and_wait_for_log_lines(command, 3)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0  # torchrun reports the signal it got
+    assert stderr.count("stopped by SIGTERM; the checkpoint is saved") == 2, stderr[-3000:]  # both ranks, cleanly
+    assert "Connection closed" not in stderr and "exited unexpectedly" not in stderr
+    checkpoint = torch.load(out / "model.pth", weights_only=True)  # no --save-every: written on the signal
+    assert checkpoint["step"] >= 11
