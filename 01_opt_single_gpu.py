@@ -194,7 +194,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): from pinned memory the copies run in the background while the GPU computes
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
     logits = model(input_batch)
-    # NEW (step 5): the loss in float32: bf16 would round it to 3 digits (compile fuses the cast away)
+    # NEW (step 5): the loss in float32: bf16 would round it to 3 digits (compile can fuse the cast)
     return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
 
 
