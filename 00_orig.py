@@ -445,6 +445,7 @@ def main():
         "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": 1,
         "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,
         "reserved_gb": torch.cuda.memory_reserved(device) / 1024**3 if on_cuda else None,
+        "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
     }
     common.write_json(metrics, out / "metrics.json")

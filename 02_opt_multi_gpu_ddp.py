@@ -6,7 +6,6 @@ marked "NEW": diff them, e.g. git diff --no-index 00_orig.py 01_opt_single_gpu.p
 """
 
 import atexit  # NEW (DDP): to leave the process group on every way out
-import datetime  # NEW (DDP): the collective timeout
 import math
 import os  # NEW (DDP): torchrun describes the job in environment variables
 import sys
@@ -83,9 +82,10 @@ def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
     # NEW (DDP): each process takes its own disjoint share of the shuffled windows, reshuffled every epoch
     sampler = DistributedSampler(dataset, seed=seed, drop_last=drop_last) if shuffle else None
     # the loader's own generator (for worker seeds) leaves the global one, which drives dropout, alone
-    # NEW (step 4): worker processes fill page-locked (pinned) buffers, which copy to the GPU asynchronously
+    # NEW (step 4): pinned batches copy to the GPU asynchronously. No workers: slicing a batch in memory took 0.2 ms
+    # here, passing it from a worker 1.5-2 ms, and starting workers anew each epoch 50 ms (2 CPU cores)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=torch.Generator(),
-                      num_workers=2, pin_memory=torch.cuda.is_available(), worker_init_fn=common.quiet_worker)
+                      pin_memory=torch.cuda.is_available())
 
 
 #####################################
@@ -196,12 +196,33 @@ def token_ids_to_text(token_ids, tokenizer):
     return tokenizer.decode(token_ids.squeeze(0).tolist())
 
 
+def has_bf16(device):  # NEW (step 5): CPUs have bfloat16, and GPUs of compute capability 8.0 (Ampere) and newer
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def calc_loss_batch(input_batch, target_batch, model, device):
-    # NEW (step 4): from pinned memory the copies run in the background while the GPU computes
+    # NEW (step 4): from pinned memory a copy is asynchronous: the host queues it and goes on to queue the step
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
+    # NEW (steps 5, 8): bf16 autocast around forward and loss, compiled into a graph for training or for evaluation
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device)):
+        return (training_loss if model.training else evaluation_loss)(model, input_batch, target_batch)
+
+
+def forward_and_loss(model, input_batch, target_batch):
     logits = model(input_batch)
-    # NEW (step 5): the loss in float32: bf16 would round it to 3 digits (compile can fuse the cast)
+    # NEW (step 5): the loss in float32 (bf16 would round it to 3 digits). Compiled (step 8), the cast happens inside
+    # the loss kernel: no float32 copy of the batch x tokens x vocabulary logits is ever stored
     return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
+
+
+@torch.compile  # NEW (step 8): training: forward and loss fused into one graph
+def training_loss(model, input_batch, target_batch):
+    return forward_and_loss(model, input_batch, target_batch)
+
+
+@torch.compile  # NEW (step 8): evaluation (no dropout, no gradients) is another graph, in a function of its own
+def evaluation_loss(model, input_batch, target_batch):  # so that neither graph ever recompiles the other
+    return forward_and_loss(model, input_batch, target_batch)
 
 
 def calc_loss_loader(data_loader, model, device, num_batches=None):
@@ -213,8 +234,15 @@ def calc_loss_loader(data_loader, model, device, num_batches=None):
     for i, (input_batch, target_batch) in enumerate(data_loader):
         if i >= num_batches:
             break
+        if i % dist.get_world_size() != dist.get_rank():
+            continue  # NEW (DDP): each rank evaluates its share of the batches; their sum is all-reduced below
+        missing = data_loader.batch_size - len(input_batch)  # NEW (step 8): pad a short last batch to full size,
+        input_batch = F.pad(input_batch, (0, 0, 0, missing))  # so the compiled evaluation graph keeps one shape;
+        target_batch = F.pad(target_batch, (0, 0, 0, missing), value=-100)  # the loss ignores targets of -100
         total += calc_loss_batch(input_batch, target_batch, model, device).item()
-    return total / num_batches
+    total = torch.tensor(total, dtype=torch.float64, device=device)  # NEW (DDP)
+    dist.all_reduce(total)
+    return total.item() / num_batches
 
 
 def evaluate_model(model, train_loader, val_loader, device, eval_iter):
@@ -290,7 +318,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                    if history["timed_seconds"] else None)
                 mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
                 heartbeat.doing = "evaluating"
-                train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader, device, args.eval_iter)
+                train_loss, val_loss = evaluate_model(model.module, train_eval_loader, val_loader, device,  # NEW (DDP)
+                                                      args.eval_iter)  # the model inside the wrapper: no DDP hooks
                 check_finite(loss, global_step, train_loss, val_loss)
                 print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
                       f"Step tok/sec: {round(step_tok_per_sec)}, Avg tok/sec: "
@@ -366,9 +395,9 @@ def setup_distributed(device_choice):
                                     f"use torchrun --nproc_per_node={gpus} (or fewer)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before the process group, so that NCCL uses this GPU
-    # a collective that waits over a minute means a lost process: fail instead of hanging
+    # a collective that waits longer than common.COLLECTIVE_TIMEOUT means a lost process: fail instead of hanging
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=common.COLLECTIVE_TIMEOUT)
     atexit.register(dist.destroy_process_group)  # on every way out, errors included
     return rank, world_size, device
 
@@ -384,11 +413,10 @@ def main():
     rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
-    # NEW (step 2): TF32 tensor cores for float32 matmuls; they exist from Ampere (compute capability 8.0) on
+    # NEW (step 2): TF32 tensor cores for float32 matmuls (Ampere and newer); after step 5, only those outside autocast
     ampere_or_newer = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
     torch.set_float32_matmul_precision("high" if ampere_or_newer else "highest")
-    use_bf16 = device.type == "cpu" or ampere_or_newer  # NEW (step 5): bfloat16 where the hardware has it
-    precision = "bf16" if use_bf16 else "tf32" if ampere_or_newer else "fp32"  # NEW (steps 2, 5)
+    precision = "bf16" if has_bf16(device) else "tf32" if ampere_or_newer else "fp32"  # NEW (steps 2, 5)
     heartbeat = common.Heartbeat()
 
     print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | precision: {precision} | "
@@ -420,16 +448,14 @@ def main():
           f"global batch {world_size * args.batch_size} sequences")  # NEW (DDP)
 
     # Model and optimizer
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; DDP gives all rank 0's weights
     model = GPTModel(cfg).to(device)
-    if use_bf16:  # NEW (step 5): matmuls and activations in bfloat16; weights and AdamW stay float32 (see README)
-        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
-    if not args.no_compile:
-        model.compile()  # NEW (step 8): fuse the model's kernels; the state_dict keys stay the same
+    torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=True)  # NEW (step 3): one kernel
     # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (650 MB full size)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     num_params = sum(p.numel() for p in model.parameters())
     speed = {"context_length": context, "tokens_per_step": args.batch_size * context * world_size,  # NEW (DDP)
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
@@ -444,13 +470,16 @@ def main():
         resume = common.load_checkpoint(args.resume, Path(__file__).name, cfg, speed["tokens_per_step"], args.seed)
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
-        common.restore_rng(resume["rng"], device)  # dropout continues where it left off
+        common.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout goes on
         print(f"Resuming {args.resume} at step {resume['step']} (epoch {resume['epoch'] + 1})")
 
     def save_checkpoint(progress):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
+        rng_states = [None] * world_size  # NEW (DDP): every rank's random state, for an exact --resume
+        dist.all_gather_object(rng_states, progress["rng"])
         if rank != 0:
             return  # NEW (DDP): one writer
+        progress["rng"] = rng_states
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
                       "tokens_per_step": speed["tokens_per_step"], **progress}
@@ -484,6 +513,7 @@ def main():
         "weight_checksums": checksums,  # NEW (DDP)
         "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,
         "reserved_gb": torch.cuda.memory_reserved(device) / 1024**3 if on_cuda else None,
+        "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
     }
     common.write_json(metrics, out / "metrics.json")

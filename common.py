@@ -6,6 +6,7 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 """
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -296,11 +297,22 @@ class Heartbeat:
 # Checkpoints, interrupts and failures
 # ---------------------------------------------------------------------------------------------
 
+# How long a collective may wait in 02 before the job is declared broken (a lost process): NCCL's own default.
+# It has to cover the longest wait of a healthy run: rank 0 writing a checkpoint (about 2 GB at full size: this
+# allows a disk down to 4 MB/s) while the others wait in their next gradient all-reduce, or one rank compiling
+# slower than the rest. On one node a lost process ends the job at once (torchrun stops the other workers);
+# across nodes, within this timeout.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
 class StopSignal:
     """The first SIGINT/SIGTERM asks the loop to finish its step, save and exit; a second SIGINT quits at once.
 
     In a distributed run every rank must stop after the same step (a rank that went on would wait forever
-    in the next gradient all-reduce), so requested() lets the ranks agree through a small CPU (gloo) group.
+    in the next gradient all-reduce). The ranks agree through a small CPU (gloo) group, one step behind and
+    without blocking: after each step a rank starts an all-reduce of its flag and collects the previous
+    step's result, which completed while that step ran. So all ranks see a signal at the same step, one
+    step after it arrived, and no rank waits here for the others to reach the same point.
     """
 
     def __init__(self):
@@ -309,9 +321,10 @@ class StopSignal:
         self.signum = None
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
-        self._group = None
+        self._group = self._pending = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")  # every rank builds its StopSignal at the same point
+            # every rank builds its StopSignal at the same point; the timeout is the training group's
+            self._group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
@@ -327,17 +340,14 @@ class StopSignal:
         import torch
         import torch.distributed as dist
 
-        signum = torch.tensor([self.signum or 0])
-        dist.all_reduce(signum, op=dist.ReduceOp.MAX, group=self._group)  # CPU only: no GPU sync
-        return int(signum.item())
-
-
-def quiet_worker(worker_id):
-    """worker_init_fn for DataLoader workers: Ctrl-C (sent to the whole process group) and SIGTERM (sent by
-    torchrun to each worker's group) are for the training process to handle; a worker dying of them would
-    crash it before it could save."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        agreed = 0
+        if self._pending is not None:  # the all-reduce started after the previous step: complete by now
+            work, flag = self._pending
+            work.wait()
+            agreed = int(flag.item())
+        flag = torch.tensor([self.signum or 0])
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return agreed
 
 
 def rng_state(device):

@@ -352,22 +352,44 @@ def run_single_process_rung(number, args, logs):
     return {"rung": number, "error": failure_from_output(code, tail, args.rung_timeout)}  # crashed hard
 
 
-def script_schedule(warmup, steps, windows):
+def script_schedule(warmup, steps, windows, steps_per_epoch=None):
     """How to run a stage script so that its own log yields the ladder's timing windows.
 
     A stage script logs every --eval-freq steps (evaluation off the clock) and leaves only its first
-    interval (step 0 alone) out of its average. So its log interval is made the window length, and
-    whole intervals covering the warm-up are run and dropped here. Returns (window length, first
-    measured step, --max-steps).
+    interval (step 0 alone) out of its average. So its log interval is made the window length, whole
+    intervals covering the warm-up are run and dropped here, and so is an interval that holds the first
+    step of an epoch, as rungs.measure does (unless epochs are too short to hold a whole window).
+    Returns (window length, the last steps of the measured intervals, --max-steps).
     """
+    from bench.rungs import crosses_epoch
+
     window = max(1, steps // windows)
     measured_windows = max(1, steps // window)
     skipped_windows = math.ceil(max(0, warmup - 1) / window)  # step 0 is an interval of its own
-    first_measured_step = skipped_windows * window + 1
-    return window, first_measured_step, (skipped_windows + measured_windows) * window + 1
+    avoid_boundaries = steps_per_epoch is not None and steps_per_epoch > window
+    ends, interval = [], skipped_windows
+    while len(ends) < measured_windows:
+        interval += 1
+        first, last = (interval - 1) * window + 1, interval * window
+        if not (avoid_boundaries and crosses_epoch(first, last, steps_per_epoch)):
+            ends.append(last)
+    return window, ends, ends[-1] + 1
 
 
-def run_stage_script(script_name, launcher, args, device_info, log_path, metrics_copy):
+def script_steps_per_epoch(script_name, args, processes):
+    """Steps per epoch of a stage script on this corpus, from its own dataset class and batch size."""
+    from bench.rungs import load_stage
+    from data import get_tokenizer, load_text
+
+    stage = load_stage(script_name)
+    cfg = stage.TINY_CONFIG if args.tiny else stage.GPT_CONFIG_124M
+    batch_size = (stage.TINY_SETTINGS if args.tiny else stage.OTHER_SETTINGS)["batch_size"]
+    text, context = load_text(args.data), cfg["context_length"]
+    dataset = stage.SlidingWindowDataset(text[:int(0.9 * len(text))], get_tokenizer(), context, stride=context)
+    return len(dataset) // processes // batch_size  # the shards of DistributedSampler, then whole batches
+
+
+def run_stage_script(script_name, launcher, args, device_info, log_path, metrics_copy, processes=1):
     """Run a stage script as it is (flags only) and read its metrics.json into a ladder row.
 
     Its numbers come from its own clock (the per-interval `Step tok/sec` of its log, all processes
@@ -377,7 +399,8 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, metrics
     if not script.exists():
         log_path.write_text(f"{script_name} does not exist: nothing to run\n")
         return {"error": f"{script_name} does not exist (yet)"}
-    window, first_measured_step, max_steps = script_schedule(args.warmup, args.steps, args.windows)
+    steps_per_epoch = script_steps_per_epoch(script_name, args, processes)
+    window, measured_ends, max_steps = script_schedule(args.warmup, args.steps, args.windows, steps_per_epoch)
     with tempfile.TemporaryDirectory(prefix="ladder-script-") as run_dir:  # its checkpoint is big: not kept
         command = [*launcher, script, "--data", args.data, "--device", args.device, "--seed", args.seed,
                    "--max-steps", max_steps, "--eval-freq", window, "--eval-iter", 1, "--epochs", 1000,
@@ -391,7 +414,8 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, metrics
 
     log = sorted(metrics.get("log", []), key=lambda entry: entry["step"])
     windows = [entry["step_tok_per_sec"] for previous, entry in zip(log, log[1:])
-               if previous["step"] + 1 >= first_measured_step and entry.get("step_tok_per_sec")]
+               if entry["step"] in measured_ends and previous["step"] == entry["step"] - window
+               and entry.get("step_tok_per_sec")]
     if not windows:
         return {"error": f"{script_name} logged no interval after the warm-up (too few steps?)"}
     world_size = metrics.get("world_size") or 1
@@ -409,8 +433,9 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, metrics
         "world_size": world_size, "batch_size": (metrics.get("settings") or {}).get("batch_size"),
         "peak_allocated_gb": metrics.get("peak_allocated_gb"), "peak_reserved_gb": metrics.get("peak_reserved_gb"),
         "final_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
-        "steps": max_steps - first_measured_step, "warmup_steps": first_measured_step,
-        "final_loss_step": last.get("step"),
+        "steps": len(windows) * window, "warmup_steps": measured_ends[0] - window + 1,
+        "final_loss_step": last.get("step"), "steps_per_epoch": steps_per_epoch,
+        "windows_cross_epochs": steps_per_epoch <= window,
     }
 
 
@@ -430,7 +455,8 @@ def run_ddp_rung(args, device_info, logs):
         return {"rung": number, "error": message}
     processes = device_info["gpu_count"] if device_info["device_type"] == "cuda" else 1
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    row = run_stage_script(STAGE_02, torchrun, args, device_info, log_path, logs / f"rung-{number:02d}-metrics.json")
+    row = run_stage_script(STAGE_02, torchrun, args, device_info, log_path, logs / f"rung-{number:02d}-metrics.json",
+                           processes)
     row["rung"] = number
     if row["error"] is None:
         world_size = row["world_size"]
@@ -510,6 +536,9 @@ def complete_row(row, seconds, logs, out):
     full["change"] = CHANGES[number]
     full.update({key: value for key, value in row.items() if key not in full})
     full["seconds"] = round(seconds, 1)
+    if row.get("windows_cross_epochs"):
+        full["notes"] = [*(row.get("notes") or []), f"epochs of {row.get('steps_per_epoch')} steps are shorter "
+                         "than a window: every window crosses an epoch boundary"]
     full["log"] = str((logs / f"rung-{number:02d}.log").relative_to(out))
     reference_speed, reference_reserved = REFERENCE[number]
     full["reference"] = {"tokens_per_sec": reference_speed, "reserved_gb": reference_reserved}
@@ -631,7 +660,8 @@ def render_markdown(report):
         f"- Command: `{report['command']}`",
         f"- Each rung: a fresh process, corpus `{settings['data']}`, seed {settings['seed']}, "
         f"warm-up steps: {settings['warmup_steps']} (not timed), then {settings['steps']} steps timed in "
-        f"{settings['windows']} window(s); data loading on the clock, no evaluation.",
+        f"{settings['windows']} window(s) that leave out the first step of each epoch where epochs are long "
+        "enough; data loading on the clock, no evaluation.",
         "",
         "| rung | change | tok/s (median) | min – max | × prev. | × rung 0 | MFU | peak alloc. GiB "
         "| peak reserved GiB | final loss | reference tok/s | reference reserved GB | notes |",

@@ -36,7 +36,7 @@ CHANGES = {
     1: "causal mask made on the fly",
     2: "TF32 tensor cores",
     3: "fused AdamW",
-    4: "pinned memory, non-blocking copies, loader workers",
+    4: "pinned memory, non-blocking copies",
     5: "bfloat16 autocast",
     6: "nn.LayerNorm and nn.GELU",
     7: "scaled_dot_product_attention, fused QKV",
@@ -190,7 +190,7 @@ def compose(number, device, tiny, seed=123):
     if number == 2 and not tensor_cores:
         notes.append("no effect here: TF32 needs a GPU of compute capability 8.0 or newer")
     if number == 4 and device.type != "cuda":
-        notes.append("no pinning off CUDA: workers and non_blocking only")
+        notes.append("no effect here: pinning and non_blocking copies need CUDA")
     if number == 5 and not use_bf16:
         notes.append("no effect here: this GPU has no bfloat16 (01 keeps float32 too)")
 
@@ -209,16 +209,18 @@ def compose(number, device, tiny, seed=123):
     torch.manual_seed(seed)
     model = model_stage.GPTModel(cfg).to(device)
     model.train()
-    if use_bf16:  # step 5, as in 01: autocast around forward; weights and AdamW stay float32
-        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
-    if number >= 8:  # step 8, after the autocast wrapper as in 01
-        model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"],
                                   fused=True if number >= 3 else None)  # step 3; None: PyTorch's default
 
-    # Step 4 lives in 01's create_dataloader (workers, pinning) and calc_loss_batch (non_blocking).
+    # Steps 4, 5 and 8 live in 01's loss path: create_dataloader (pinning) and calc_loss_batch (non_blocking
+    # copies, then bf16 autocast around forward and loss, compiled). This rung's copy of 01 leaves out the
+    # steps it has not reached: no autocast before step 5, the eager forward and loss before step 8.
     data_stage = stage01 if number >= 4 else stage00
+    if number < 5:
+        stage01.has_bf16 = lambda device: False
+    if number < 8:
+        stage01.training_loss = stage01.evaluation_loss = stage01.forward_and_loss
     return Rung(number=number, device=device, cfg=cfg, settings=settings, precision=precision, model=model,
                 optimizer=optimizer, data_stage=data_stage, notes=notes)
 
@@ -272,10 +274,22 @@ class WindowTimer:
         return time.perf_counter() - self._start
 
 
+def crosses_epoch(first_step, last_step, steps_per_epoch):
+    """Whether steps first_step..last_step (0-based, counted from the run's first step) hold an epoch's first
+    step, after the run's very first one. The scripts restart their batch iterator there and sample text
+    (off their clock), so a timing window over it is not like the others: windows avoid it where they can."""
+    return any(step % steps_per_epoch == 0 for step in range(max(1, first_step), last_step + 1))
+
+
 def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpose=False):
-    """Warm up (untimed), then time `steps` training steps in windows; no evaluation on the clock."""
+    """Warm up (untimed), then time `steps` training steps in windows; no evaluation on the clock.
+
+    A window that would hold the first step of an epoch is run untimed instead, unless an epoch is too short
+    to hold a whole window (then every window crosses one, and the result says so).
+    """
     batches = endless_batches(loader, seed)
     tokens_per_step = rung.batch_size * rung.cfg["context_length"]
+    steps_per_epoch = len(loader)
 
     if fail_on_purpose:  # ladder.py's LADDER_FAIL_RUNG testing hook: a crash as a real one would look
         raise RuntimeError(f"rung {rung.number} failed on purpose (LADDER_FAIL_RUNG testing hook)")
@@ -294,14 +308,23 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
     timer = WindowTimer(rung.device)
     window_tok_per_sec = []
     sizes = window_sizes(steps, windows)
+    avoid_boundaries = steps_per_epoch > max(sizes)
+    step, skipped_steps = warmup, 0
     for index, size in enumerate(sizes):
+        while avoid_boundaries and crosses_epoch(step, step + size - 1, steps_per_epoch):
+            loss = rung.train_step(*next(batches))  # untimed, up to the first step of the next epoch
+            step, skipped_steps = step + 1, skipped_steps + 1
         timer.start()
         for _ in range(size):
             loss = rung.train_step(*next(batches))
         seconds = timer.stop()
+        step += size
         window_tok_per_sec.append(size * tokens_per_step / seconds)
         say(f"window {index + 1}/{len(sizes)}: {size} steps in {seconds:.3f} s, "
             f"{window_tok_per_sec[-1]:,.0f} tok/s")
+    if skipped_steps:
+        say(f"{skipped_steps} untimed steps kept the windows clear of epoch boundaries ({steps_per_epoch} steps "
+            "per epoch)")
 
     return {
         "tokens_per_sec": statistics.median(window_tok_per_sec),
@@ -311,4 +334,6 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
         "final_loss": loss.item(),  # the last measured step's loss, read after the clock stopped
         "warmup_seconds": warmup_seconds,
         "tokens_per_step": tokens_per_step,
+        "steps_per_epoch": steps_per_epoch,
+        "windows_cross_epochs": not avoid_boundaries,
     }

@@ -66,7 +66,7 @@ def test_steps_3_and_4_pick_fused_adamw_and_01s_loader(composed):
     assert composed[4].data_stage.__name__.startswith("ladder_01_opt_single_gpu")
     from data import get_tokenizer, load_text
     loader = composed[4].make_train_loader(load_text("shakespeare")[:20_000], get_tokenizer(), seed=123)
-    assert loader.num_workers == 2 and loader.pin_memory is False  # no pinning without CUDA
+    assert loader.num_workers == 0 and loader.pin_memory is False  # 01's loader: no workers; no pinning without CUDA
 
 
 def test_batches_come_in_the_stage_scripts_order_across_epochs(composed):
@@ -81,14 +81,26 @@ def test_batches_come_in_the_stage_scripts_order_across_epochs(composed):
         torch.testing.assert_close(next(batches)[0], want, rtol=0, atol=0)
 
 
+def logits_dtype_in_a_training_step(rung):
+    """The dtype of the logits inside the rung's own loss path (01's calc_loss_batch from rung 4 on)."""
+    seen = []
+    hook = rung.model.out_head.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    try:
+        tokens = torch.randint(0, 50257, (1, 9))
+        loss = rung.data_stage.calc_loss_batch(tokens[:, :-1], tokens[:, 1:], rung.model, CPU)
+    finally:
+        hook.remove()
+    assert loss.dtype == torch.float32  # the loss itself stays float32 on every rung
+    return seen[0]
+
+
 def test_rung_5_is_bf16_autocast_around_stage_00s_layers(composed):
     block = first_block(composed[5].model)
     assert type(block.norm1).__module__.startswith("ladder_00_orig")  # still the hand-written LayerNorm
     assert type(block.ff.layers[1]).__module__.startswith("ladder_00_orig")  # and GELU
     assert composed[5].precision == "bf16"  # a CPU has bfloat16, so 01 (and rung 5) use it
-    with torch.no_grad():
-        logits = composed[5].model(torch.randint(0, 50257, (1, 8)))
-    assert logits.dtype == torch.bfloat16
+    assert logits_dtype_in_a_training_step(composed[4]) == torch.float32
+    assert logits_dtype_in_a_training_step(composed[5]) == torch.bfloat16
     assert next(composed[5].model.parameters()).dtype == torch.float32  # weights stay float32
 
 
@@ -107,9 +119,13 @@ def test_rung_7_has_01s_attention_with_fused_qkv(composed):
 
 
 def test_rungs_8_to_10_compile_and_pad_the_vocabulary(composed):
-    assert getattr(composed[7].model, "_compiled_call_impl", None) is None
-    for number in (8, 9, 10):
-        assert composed[number].model._compiled_call_impl is not None  # nn.Module.compile(), as in 01
+    for number in (4, 7):  # 01's loss path, with its forward and loss left eager
+        stage = composed[number].data_stage
+        assert stage.training_loss is stage.evaluation_loss is stage.forward_and_loss
+    for number in (8, 9, 10):  # 01's compiled training and evaluation functions, as they are
+        stage = composed[number].data_stage
+        assert stage.training_loss is not stage.forward_and_loss and hasattr(stage.training_loss, "__wrapped__")
+        assert stage.evaluation_loss is not stage.training_loss
     assert composed[8].model.out_head.out_features == 50257
     assert composed[9].model.out_head.out_features == 50304
     assert composed[10].cfg == composed[9].cfg
@@ -137,9 +153,48 @@ def test_rung_selection_parsing():
 
 
 def test_script_schedule_drops_the_warm_up_intervals():
-    # 30 steps in 5 windows after 10 warm-up steps: intervals of 6, the first measured step is 13
-    assert ladder.script_schedule(10, 30, 5) == (6, 13, 43)
-    assert ladder.script_schedule(1, 2, 5) == (1, 1, 3)  # step 0 alone is always the warm-up
+    # 30 steps in 5 windows after 10 warm-up steps: intervals of 6, the first measured one ends at step 18
+    assert ladder.script_schedule(10, 30, 5) == (6, [18, 24, 30, 36, 42], 43)
+    assert ladder.script_schedule(1, 2, 5) == (1, [1, 2], 3)  # step 0 alone is always the warm-up
+
+
+def test_windows_leave_out_epoch_boundaries_in_scripts_and_composed_rungs():
+    # 01 at batch 32 on Shakespeare: 42 steps per epoch; the interval 37..42 holds epoch 2's first step
+    assert ladder.script_schedule(10, 30, 5, steps_per_epoch=42) == (6, [18, 24, 30, 36, 48], 49)
+    # epochs shorter than a window (8 GPUs: 5 steps): nothing to avoid, every window crosses one
+    assert ladder.script_schedule(10, 30, 5, steps_per_epoch=5) == (6, [18, 24, 30, 36, 42], 43)
+    assert rungs.crosses_epoch(37, 42, 42) and not rungs.crosses_epoch(31, 36, 42)
+    assert not rungs.crosses_epoch(0, 5, 6) and rungs.crosses_epoch(1, 6, 6)  # step 0 starts the run itself
+
+
+def test_composed_rung_windows_skip_the_first_step_of_an_epoch(composed):
+    class CountingRung:  # a stand-in rung that records which steps were timed
+        number, device, batch_size, cfg = 0, CPU, 1, {"context_length": 1}
+
+        def __init__(self):
+            self.step, self.timed = 0, []
+
+        def train_step(self, inputs, targets):
+            self.step += 1
+            return torch.tensor(1.0)
+
+    pairs = [(torch.zeros(1), torch.zeros(1))] * 7  # 7 steps per epoch
+    loader = torch.utils.data.DataLoader(pairs, batch_size=1, generator=torch.Generator())
+    rung, timed_windows = CountingRung(), []
+    original = rungs.WindowTimer.start
+
+    def start(timer):
+        timed_windows.append(rung.step)
+        original(timer)
+
+    rungs.WindowTimer.start = start
+    try:
+        result = rungs.measure(rung, loader, seed=0, warmup=2, steps=12, windows=4, say=lambda text: None)
+    finally:
+        rungs.WindowTimer.start = original
+    # windows of 3 from step 2: 2-4; 5-7 would hold step 7 (epoch 2's first step): untimed steps up to 8-10;
+    # 11-13; 14-16 would hold step 14: on to 15-17
+    assert timed_windows == [2, 8, 11, 15] and not result["windows_cross_epochs"]
 
 
 def test_window_sizes_cover_every_step():
