@@ -277,6 +277,10 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
     stop = common.StopSignal()  # Ctrl-C or SIGTERM: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
+        raise common.NothingToTrain(f"the checkpoint is at step {history['steps']}, and this run ends at step "
+                                    f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
+                                    "raise --epochs or --max-steps to train on. No file was changed.")
 
     for epoch in range(start_epoch, args.epochs):
         model.train()
@@ -296,7 +300,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             batches_done += 1
             interval_tokens += tokens_per_step
             history["tokens_seen"] += tokens_per_step
-            done = global_step + 1 == total_steps
+            done = global_step + 1 >= total_steps
 
             if global_step % args.eval_freq == 0 or done:  # also log the final step
                 clock.stop()  # evaluation is not training: keep it off the clock
@@ -360,8 +364,8 @@ def plot_losses(history, path_stem):
     ax2.plot([entry["tokens_seen"] for entry in log], [entry["train_loss"] for entry in log], alpha=0)
     ax2.set_xlabel("Tokens seen")
     fig.tight_layout()
-    for suffix in (".pdf", ".png"):
-        fig.savefig(f"{path_stem}{suffix}", dpi=150)
+    for suffix in (".pdf", ".png"):  # written atomically, like every output
+        common.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
     plt.close(fig)
 
 
@@ -437,7 +441,7 @@ def main():
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
                       "tokens_per_step": speed["tokens_per_step"], **progress}
-        common.save_atomically(lambda tmp: torch.save(checkpoint, tmp), out / "model.pth")
+        common.save_torch(checkpoint, out / "model.pth")
 
     start = time.time()
     try:

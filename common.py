@@ -7,6 +7,7 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 
 import argparse
 import datetime
+import errno
 import json
 import os
 import random
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from data import UsageError
-from data.files import save_atomically
+from data import files
 
 __all__ = ["UsageError", "TrainingError"]
 
@@ -30,8 +31,16 @@ class TrainingError(Exception):
     """The run failed while training (out of memory, a non-finite loss): exit code 1."""
 
 
+class OutputError(TrainingError):
+    """An output could not be written mid-run (disk full, quota, a folder gone or read-only): exit code 1."""
+
+
+class NothingToTrain(Exception):
+    """--resume of a checkpoint that already reached --max-steps or the last epoch: exit code 0."""
+
+
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; the checkpoint is saved. Exit code 128 + the signal's number."""
+    """SIGINT, SIGTERM or SIGHUP arrived; the checkpoint is saved. Exit code 128 + the signal's number."""
 
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -306,7 +315,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class StopSignal:
-    """The first SIGINT/SIGTERM asks the loop to finish its step, save and exit; a second SIGINT quits at once.
+    """The first SIGINT/SIGTERM/SIGHUP asks the loop to finish its step, save and exit; a second SIGINT quits at
+    once (a checkpoint being written then is left out: the previous one stays whole, see files.save_atomically).
+    SIGHUP is what a closing terminal sends to a run started without nohup or tmux.
 
     In a distributed run every rank must stop after the same step (a rank that went on would wait forever
     in the next gradient all-reduce). The ranks agree through a small CPU (gloo) group, one step behind and
@@ -319,7 +330,7 @@ class StopSignal:
         import torch.distributed as dist
 
         self.signum = None
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, self._handle)
         self._group = self._pending = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -418,6 +429,42 @@ def out_of_memory(device, batch_size, context_length):
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
 
+# What to do when an output cannot be written, by the OS error's number.
+_WRITE_FAILURE_HINTS = {
+    errno.ENOSPC: "free some disk space",
+    errno.EDQUOT: "free some space within your disk quota",
+    errno.EROFS: "the file system is read-only: choose another --out",
+    errno.EACCES: "make the folder writable again or choose another --out",
+    errno.EPERM: "make the folder writable again or choose another --out",
+    errno.ENOENT: "the folder was removed while the run went on: create it again or choose another --out",
+}
+
+
+def save_atomically(save, path):
+    """files.save_atomically, with an OS error turned into an OutputError: one line naming the file and the
+    error. The previous file stays whole and no temporary file is left (files.save_atomically sees to both)."""
+    try:
+        files.save_atomically(save, path)
+    except OSError as err:
+        hint = _WRITE_FAILURE_HINTS.get(err.errno, "fix the cause or choose another --out")
+        checkpoint = Path(path).parent / "model.pth"
+        resume = f", then go on with --resume {checkpoint}" if checkpoint.exists() else ""
+        reason = err.strerror or str(err) or type(err).__name__
+        raise OutputError(f"cannot write {path}: {reason} (errno {err.errno}); the previous file, if any, is "
+                          f"kept: {hint}{resume}") from None
+
+
+def save_torch(obj, path):
+    """torch.save, atomically. Through a Python file object, so that a full disk raises a real OSError
+    (torch.save to a path reports it as an unspecific RuntimeError)."""
+    import torch
+
+    def save(tmp):
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+    save_atomically(save, path)
+
+
 def write_json(obj, path):
     def save(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
@@ -430,6 +477,17 @@ def _json_default(value):
     raise TypeError(f"not JSON serializable: {value!r}")
 
 
+def _lost_a_peer(err):
+    """Whether `err` is a collective failing because another process of a distributed job is gone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or (
+        isinstance(err, RuntimeError) and ("Connection closed by peer" in text or "Connection reset by peer" in text))
+
+
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes of SPEC.md."""
     try:
@@ -437,6 +495,12 @@ def run(main):
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except NothingToTrain as err:
+        print(f"Nothing left to train: {err}")
+        return EXIT_OK
+    except OutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except TrainingError as err:
         print(f"training failed: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -446,4 +510,11 @@ def run(main):
     except KeyboardInterrupt:
         print("interrupted at once: the last saved checkpoint (if any) is intact", file=sys.stderr)
         return 130
+    except Exception as err:
+        if not _lost_a_peer(err):
+            raise
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        print(f"error: another process of this job ended (its own output says why), so this one stops too: "
+              f"{first_line}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK

@@ -10,14 +10,14 @@ def save_atomically(save, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
+        os.close(fd)
         save(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes files private; give them the usual mode
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # an error or a second Ctrl-C: the old file stays, the half-written one goes
         Path(tmp).unlink(missing_ok=True)
         raise
 

@@ -1,0 +1,188 @@
+"""Runs that survive, round two: resuming at the limit, outputs that cannot be written, signals mid-save.
+
+Every case runs through the real entry points of the three stages (02 under torchrun with two processes);
+faults in the file writes come from tests/faulty_writes.py, which runs a stage with one write made to fail.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def launch(script, *flags, fault=None):
+    """The command that runs a stage as a user would (02 under torchrun), optionally with a faulty write."""
+    program = ["tests/faulty_writes.py", fault, script] if fault else [script]
+    launcher = TORCHRUN if script.startswith("02") else [sys.executable]
+    eager = ["--no-compile"] if not script.startswith("00") else []
+    return [*launcher, *program, "--tiny", *eager, *map(str, flags)]
+
+
+def run(command, timeout=240):
+    return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def snapshot(folder):
+    """Every file in the folder with its bytes and modification time."""
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in Path(folder).iterdir()}
+
+
+def leftover_temporaries(folder):
+    return [path.name for path in Path(folder).iterdir() if path.name.endswith(".tmp")]
+
+
+def our_tracebacks(stderr, script):
+    """Tracebacks of the stage's processes. Under torchrun their lines start with [rankN]; torchrun prints a
+    traceback of its own for a failed worker, which is not the stage's."""
+    if script.startswith("02"):
+        return [line for line in stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    return [line for line in stderr.splitlines() if "Traceback" in line]
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture
+def short_text(tmp_path, small_text):
+    """16,000 characters: 17 steps per --tiny epoch (8 with two processes)."""
+    path = tmp_path / "short.txt"
+    path.write_text(small_text.read_text(encoding="utf-8")[:16_000], encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Resuming at or past the limit trains nothing and changes nothing
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", STAGES)
+def test_resume_at_or_past_the_limit_trains_nothing(script, short_text, tmp_path):
+    out = tmp_path / "run"
+    common_flags = ["--data", short_text, "--out", out, "--eval-freq", 3]
+    # a whole epoch: the checkpoint is written at the last step, which is also an epoch boundary
+    first = run(launch(script, *common_flags, "--epochs", 1, "--max-steps", 0))
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps_per_epoch = torch.load(out / "model.pth", weights_only=True)["step"]
+    assert steps_per_epoch in (17, 8)  # one process, or two
+    before = snapshot(out)
+    checkpoint = out / "model.pth"
+
+    for limits in (["--epochs", 1, "--max-steps", 0],  # the same limit: at the end of the last epoch
+                   ["--epochs", 3, "--max-steps", steps_per_epoch],  # --max-steps reached exactly
+                   ["--epochs", 3, "--max-steps", 2]):  # --max-steps below the checkpoint's step
+        again = run(launch(script, *common_flags, *limits, "--resume", checkpoint))
+        assert again.returncode == 0, again.stderr[-3000:]
+        said = [line for line in again.stdout.splitlines() if line.startswith("Nothing left to train")]
+        assert len(said) == 1 and f"step {steps_per_epoch}" in said[0], again.stdout
+        assert not [line for line in again.stdout.splitlines() if line.startswith("Ep ")]  # no step trained
+        assert not our_tracebacks(again.stderr, script)
+        assert snapshot(out) == before, limits  # the earlier outputs, byte for byte and untouched
+
+    # a limit above the checkpoint trains up to it, and not one step further
+    on = run(launch(script, *common_flags, "--epochs", 3, "--max-steps", steps_per_epoch + 2, "--resume", checkpoint))
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert torch.load(checkpoint, weights_only=True)["step"] == steps_per_epoch + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. An output that cannot be written: exit 1, one line, the previous checkpoint whole, no temporary file
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", STAGES)
+def test_a_full_disk_mid_run_ends_with_one_line_and_keeps_the_last_checkpoint(script, small_text, tmp_path):
+    out = tmp_path / "run"
+    # the first checkpoint (step 4) is written; the second (step 8) meets a full disk half-way
+    started = time.monotonic()
+    result = run(launch(script, "--data", small_text, "--out", out, "--max-steps", 20, "--eval-freq", 4,
+                        "--save-every", 4, fault="enospc-save-2"))
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert time.monotonic() - started < 120  # every rank of 02 ended too, with no hang
+    assert not our_tracebacks(result.stderr, script), result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    named = [line for line in lines if "model.pth" in line]
+    assert len(named) == 1 and "No space left on device" in named[0] and "--resume" in named[0], lines
+    others = [line for line in lines if line not in named]  # 02's rank 1: one line of its own, no traceback
+    assert len(others) == (1 if script.startswith("02") else 0), lines
+    assert all("another process of this job ended" in line for line in others), others
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == 4  # whole, and the last good one
+    assert not leftover_temporaries(out)
+
+
+def test_a_read_only_folder_for_the_plots_ends_with_one_line(small_text, tmp_path):
+    out = tmp_path / "run"
+    result = run(launch("01_opt_single_gpu.py", "--data", small_text, "--out", out, "--max-steps", 6,
+                        fault="erofs-plot"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "loss.pdf" in lines[0] and "Read-only file system" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == 6 and (out / "metrics.json").exists()
+    assert not leftover_temporaries(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Signals around the save
+# ---------------------------------------------------------------------------------------------
+
+def wait_for_line(stream, predicate, deadline):
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            return None
+        if predicate(line):
+            return line
+    return None
+
+
+@pytest.mark.parametrize("script", ("00_orig.py", "01_opt_single_gpu.py"))
+def test_a_second_ctrl_c_while_saving_leaves_the_previous_checkpoint_whole(script, small_text, tmp_path):
+    out = tmp_path / "run"
+    # --save-every 4: the first save (step 4) is quick; the second (step 8) pauses half-written
+    command = launch(script, "--data", small_text, "--out", out, "--epochs", 50, "--eval-freq", 100,
+                     "--save-every", 4, fault="slow-save-2")
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_for_line(proc.stderr, lambda line: line.startswith("SAVING"), time.monotonic() + 120)
+        proc.send_signal(signal.SIGINT)  # the first Ctrl-C: it asks to stop after the step (being saved)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # the second: quit at once, in the middle of the write
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted at once" in stderr
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == 4  # the previous checkpoint, whole
+    assert not leftover_temporaries(out)
+
+
+@pytest.mark.parametrize("script", STAGES)
+def test_sighup_saves_and_exits_129(script, small_text, tmp_path):
+    """A closing terminal sends SIGHUP: finish the step, save, exit 128 + 1 (torchrun forwards it to 02)."""
+    out = tmp_path / "run"
+    command = launch(script, "--data", small_text, "--out", out, "--epochs", 50, "--eval-freq", 3)
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_for_line(proc.stdout, lambda line: line.startswith("Ep 1, Step 000003"), time.monotonic() + 120)
+        proc.send_signal(signal.SIGHUP)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert not our_tracebacks(stderr, script), stderr[-3000:]
+    if script.startswith("02"):
+        assert proc.returncode != 0 and stderr.count("stopped by SIGHUP; the checkpoint is saved") == 2, stderr
+    else:
+        assert proc.returncode == 129, stderr[-3000:]
+        assert "stopped by SIGHUP" in stderr
+    assert torch.load(out / "model.pth", weights_only=True)["step"] >= 4
+    assert not leftover_temporaries(out)
