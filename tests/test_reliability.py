@@ -105,7 +105,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
             f.write(b"half a checkpoint")
         raise OSError("disk full")
 
-    with pytest.raises(OSError):
+    with pytest.raises(common.OutputError, match="cannot write .*model.pth: disk full"):  # exit code 1, one line
         common.save_atomically(broken_save, target)
     assert torch.load(target, weights_only=True) == {"version": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]  # the partial file is gone
