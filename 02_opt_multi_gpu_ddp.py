@@ -290,6 +290,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         raise common.NothingToTrain(f"the checkpoint is at step {history['steps']}, and this run ends at step "
                                     f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
                                     "raise --epochs or --max-steps to train on. No file was changed.")
+    inspection = common.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
 
     for epoch in range(start_epoch, args.epochs):
         model.train()
@@ -301,20 +302,29 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         clock.start()
         for input_batch, target_batch in batches:
             heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 2}"
+            off_clock = inspection.off_clock(global_step + 1)  # a profiled step is slower: not timed
+            if off_clock:
+                clock.stop()
             optimizer.zero_grad()
-            loss = calc_loss_batch(input_batch, target_batch, model, device)
-            loss.backward()
-            optimizer.step()
+            with inspection.region("forward with loss"):
+                loss = calc_loss_batch(input_batch, target_batch, model, device)
+            with inspection.region("backward"):
+                loss.backward()
+            with inspection.region("optimizer step"):
+                optimizer.step()
             global_step += 1
+            inspection.step_done(global_step)
+            if off_clock:
+                clock.start()
             batches_done += 1
-            interval_tokens += tokens_per_step
+            interval_tokens += 0 if off_clock else tokens_per_step
             history["tokens_seen"] += tokens_per_step
             done = global_step + 1 >= total_steps
 
             if global_step % args.eval_freq == 0 or done:  # also log the final step
                 clock.stop()  # evaluation is not training: keep it off the clock
                 seconds = clock.take()
-                step_tok_per_sec = interval_tokens / seconds
+                step_tok_per_sec = interval_tokens / seconds if interval_tokens else None  # None: all profiled
                 if not first_interval:  # the first interval holds the warm-up: left out of the average
                     history["timed_tokens"] += interval_tokens
                     history["timed_seconds"] += seconds
@@ -326,13 +336,14 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                                       args.eval_iter)  # the model inside the wrapper: no DDP hooks
                 check_finite(loss, global_step, train_loss, val_loss)
                 print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
-                      f"Step tok/sec: {round(step_tok_per_sec)}, Avg tok/sec: "
+                      f"Step tok/sec: {round(step_tok_per_sec) if step_tok_per_sec else 'n/a'}, Avg tok/sec: "
                       + (f"{round(avg_tok_per_sec)}" if avg_tok_per_sec else "n/a")
                       + (f", MFU: {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
                 history["log"].append({
                     "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "val_loss": val_loss,
                     "step_tok_per_sec": step_tok_per_sec, "avg_tok_per_sec": avg_tok_per_sec, "mfu": mfu,
                     "tokens_seen": history["tokens_seen"], "epochs_seen": (global_step + 1) / len(train_loader),
+                    "timed_tokens": interval_tokens,
                 })
                 interval_tokens, first_interval = 0, False
                 clock.start()
@@ -359,6 +370,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         if done:
             break
     history["steps"] = global_step + 1
+    history["profile"] = inspection.finish()
     return history
 
 
@@ -465,6 +477,8 @@ def main():
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "peak_flops": common.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
+    print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
+                            cfg, tokenizer.n_vocab))
     if device.type == "cpu" and not args.tiny:
         print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
 
@@ -512,7 +526,7 @@ def main():
         "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
         "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
         "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
-        "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec,
+        "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
         "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
         "weight_checksums": checksums,  # NEW (DDP)
         "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,

@@ -6,6 +6,7 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 """
 
 import argparse
+import contextlib
 import datetime
 import errno
 import json
@@ -104,6 +105,14 @@ def build_parser(description, settings, tiny_settings):
     parser.add_argument("--save-every", type=_non_negative_int, default=0, metavar="N",
                         help="also write the checkpoint every N steps; 0: only at the end and on an "
                              "interrupt (default: 0)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile training steps {PROFILE_WAIT + PROFILE_WARMUP + 1} to "
+                             f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} with torch.profiler (the ones before "
+                             "warm up and compile): a trace under <out>/profile/ and a table of the top operators; "
+                             "those steps are left out of tok/s")
+    parser.add_argument("--memory-snapshot", action="store_true",
+                        help=f"CUDA only: record the caching allocator's history over the first {SNAPSHOT_STEPS} "
+                             "steps into <out>/memory_snapshot.pickle (open it on https://pytorch.org/memory_viz)")
     return parser
 
 
@@ -247,6 +256,37 @@ class TrainClock:
         return seconds
 
 
+def counted_flops_per_token(build_model, context_length):
+    """One training step's FLOPs per token (forward and backward), counted by torch.utils.flop_counter.
+
+    The model is built on the meta device, so nothing is allocated or computed: a CPU counts the full-size
+    model in a second. Like the formula, the counter sees only matrix multiplications (no embedding
+    lookups, norms or elementwise work); on the meta device attention runs its math path, so the scores are
+    counted in full, as the formula counts them (causal FlashAttention skips about half of that work).
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_model()
+        tokens = torch.zeros(1, context_length, dtype=torch.long)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return counter.get_total_flops() / context_length
+
+
+def flops_line(formula, counted, cfg, real_vocab_size):
+    """The start-up line that sets the counted FLOPs beside the formula's and explains the difference."""
+    padded = cfg["vocab_size"] - real_vocab_size
+    why = (f"; the counter includes the {padded} padded vocabulary columns (6 x {cfg['emb_dim']} x {padded} per "
+           "token), which the formula leaves out as no useful work" if padded > 0 else "")
+    return (f"FLOPs per token: {formula / 1e9:.4f} G by the formula (used for MFU), {counted / 1e9:.4f} G counted "
+            f"by torch.utils.flop_counter in one training step ({100 * (counted / formula - 1):+.3f}%){why}")
+
+
 def cpu_speed_note(flops_per_step, steps_per_epoch):
     """One line, up front, estimating how slow a full-size model will be on this CPU."""
     import torch
@@ -262,6 +302,103 @@ def cpu_speed_note(flops_per_step, steps_per_epoch):
     return (f"Note: the full 124M model on this CPU needs at least ~{seconds_per_step:.0f} s per step "
             f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
             "matmul speed); add --tiny for a small model that trains in seconds.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Looking inside a run: --profile and --memory-snapshot
+# ---------------------------------------------------------------------------------------------
+
+PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profiler's schedule, from the run's start
+SNAPSHOT_STEPS = 3  # steps of allocator history in a memory snapshot
+
+
+class RunInspection:
+    """--profile and --memory-snapshot, the same in every stage; both off: it does nothing.
+
+    --profile follows torch.profiler's schedule: PROFILE_WAIT steps not recorded (the first compiles),
+    PROFILE_WARMUP recorded and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps
+    run off the training clock (profiling slows them), and the stage labels the regions of each step with
+    region(). --memory-snapshot records the CUDA caching allocator's history over the first SNAPSHOT_STEPS
+    steps. In a distributed run only rank 0 profiles and writes.
+    """
+
+    def __init__(self, args, device, first_step, total_steps):
+        import torch
+        import torch.distributed as dist
+
+        self.torch = torch
+        self.out = Path(args.out)
+        self.cuda = device.type == "cuda"
+        self.first_step = first_step
+        self.report = None
+        if args.memory_snapshot and not self.cuda:
+            raise UsageError("--memory-snapshot records the CUDA caching allocator: it needs a GPU (--device cuda)")
+        profiled_last = first_step + PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
+        if args.profile and total_steps < profiled_last:
+            raise UsageError(f"--profile records steps {first_step + PROFILE_WAIT + PROFILE_WARMUP + 1} to "
+                             f"{profiled_last} of this run, but it ends at step {total_steps}: use --max-steps "
+                             f"{profiled_last} or more (or 0)")
+        is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+        self.profiler = self.snapshot = None
+        if args.profile and is_writer:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                                   if self.cuda else [])
+            self.profiler = torch.profiler.profile(
+                activities=activities, on_trace_ready=self._write_trace,
+                schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE,
+                                                 repeat=1))
+            self.profiler.start()
+            self.profiled_steps = range(first_step + PROFILE_WAIT, profiled_last)  # warm-up and active: off the clock
+        if args.memory_snapshot and is_writer:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.snapshot = device
+
+    def off_clock(self, step):
+        """Whether step `step` (0-based) is profiled, and so left off the training clock."""
+        return self.profiler is not None and step in self.profiled_steps
+
+    def region(self, name):
+        """A labelled region of a step in the trace (nothing at all when not profiling)."""
+        if self.profiler is None:
+            return contextlib.nullcontext()
+        return self.torch.profiler.record_function(name)
+
+    def step_done(self, step):
+        """Call after each training step (`step`, 0-based, the one just done)."""
+        if self.profiler is not None:
+            self.profiler.step()
+            if step + 1 >= self.profiled_steps.stop:
+                self.profiler.stop()
+                self.profiler = None
+        if self.snapshot is not None and step + 1 - self.first_step >= SNAPSHOT_STEPS:
+            self._write_snapshot()
+
+    def _write_trace(self, prof):
+        path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
+        save_atomically(lambda tmp: prof.export_chrome_trace(tmp), path)
+        sort_by = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        steps = f"{self.profiled_steps.start + PROFILE_WARMUP + 1}-{self.profiled_steps.stop}"
+        self.report = (f"Profile of steps {steps} ({'CUDA' if self.cuda else 'CPU'} time; these steps are not in "
+                       f"tok/s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)\n"
+                       + prof.key_averages().table(sort_by=sort_by, row_limit=15))
+
+    def _write_snapshot(self):
+        torch, device = self.torch, self.snapshot
+        torch.cuda.synchronize(device)
+        path = self.out / "memory_snapshot.pickle"
+        save_atomically(lambda tmp: torch.cuda.memory._dump_snapshot(tmp), path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.snapshot = None
+        print(f"Memory snapshot of the first {SNAPSHOT_STEPS} steps: {path} (drop it on https://pytorch.org/memory_viz)"
+              f" | peak over them: {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB allocated, "
+              f"{torch.cuda.max_memory_reserved(device) / 1024**3:.2f} GiB reserved", flush=True)
+
+    def finish(self):
+        """At the end of training: print the profile's table of top operators (if one was taken)."""
+        if self.report:
+            print(self.report, flush=True)
+        return None if self.report is None else str(self.out / "profile")
 
 
 # ---------------------------------------------------------------------------------------------

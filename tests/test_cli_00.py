@@ -11,7 +11,7 @@ from conftest import run_script
 LOG_LINE = re.compile(r"^Ep \d+, Step \d{6}, Train: \d+\.\d{3}, Val: \d+\.\d{3}, Step tok/sec: \d+, "
                       r"Avg tok/sec: (\d+|n/a)")
 FLAGS = ("--data", "--tiny", "--epochs", "--max-steps", "--batch-size", "--eval-freq", "--eval-iter",
-         "--device", "--seed", "--out", "--resume", "--save-every")
+         "--device", "--seed", "--out", "--resume", "--save-every", "--profile", "--memory-snapshot")
 OUTPUTS = ("metrics.json", "loss.pdf", "loss.png", "model.pth")
 
 

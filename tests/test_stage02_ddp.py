@@ -25,7 +25,7 @@ STAGE = "02_opt_multi_gpu_ddp.py"
 LOG_LINE = re.compile(r"^Ep \d+, Step \d{6}, Train: \d+\.\d{3}, Val: \d+\.\d{3}, Step tok/sec: \d+, "
                       r"Avg tok/sec: (\d+|n/a)")
 SHARED_FLAGS = ("--data", "--tiny", "--epochs", "--max-steps", "--batch-size", "--eval-freq", "--eval-iter",
-                "--device", "--seed", "--out", "--resume", "--save-every")
+                "--device", "--seed", "--out", "--resume", "--save-every", "--profile", "--memory-snapshot")
 TINY_BATCH, TINY_CONTEXT = 4, 64
 
 

@@ -1,0 +1,96 @@
+"""Looking inside a run: --profile, --memory-snapshot and counted FLOPs, the same in every stage."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import common
+from conftest import ROOT, load_stage, run_script
+
+REGIONS = ("forward with loss", "backward", "optimizer step")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+PROFILED = range(common.PROFILE_WAIT, common.PROFILE_WAIT + common.PROFILE_WARMUP + common.PROFILE_ACTIVE)
+
+
+@pytest.mark.parametrize("script", ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py"))
+def test_profile_writes_a_trace_with_the_labelled_regions_and_keeps_those_steps_out_of_tok_s(
+        script, small_text, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--tiny", "--data", small_text, "--out", out, "--max-steps", 12, "--eval-freq", 4, "--profile"]
+    if script.startswith("02"):  # two processes under torchrun, eager to keep the test short
+        result = subprocess.run([*TORCHRUN, script, "--no-compile", *map(str, flags)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300, env={**subprocess.os.environ, "OMP_NUM_THREADS": "1"})
+    else:  # 01 compiled: the trace holds the compiled graphs
+        result = run_script(script, *flags, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    traces = list((out / "profile").iterdir())
+    assert [trace.name for trace in traces] == [f"{script[:-3]}.pt.trace.json"]  # one, even with two ranks
+    events = json.loads(traces[0].read_text())["traceEvents"]  # the Chrome trace format (Perfetto, TensorBoard)
+    names = [event.get("name") for event in events]
+    for region in REGIONS:  # each labelled once per recorded step
+        assert names.count(region) == common.PROFILE_ACTIVE, (region, names.count(region))
+
+    # the table of top operators, once, by CPU time here
+    assert result.stdout.count("Profile of steps 7-9 (CPU time") == 1, result.stdout[-3000:]
+    assert "Self CPU time total" in result.stdout
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["profile"] == str(out / "profile")
+    tokens_per_step = metrics["tokens_seen"] // metrics["steps"]
+    previous_step = -1
+    for entry in metrics["log"]:  # tok/s counts the steps of each interval that were not profiled
+        steps = range(previous_step + 1, entry["step"] + 1)
+        timed = [step for step in steps if step not in PROFILED]
+        assert entry["timed_tokens"] == len(timed) * tokens_per_step, (entry["step"], entry["timed_tokens"])
+        assert (entry["step_tok_per_sec"] is None) == (not timed)
+        previous_step = entry["step"]
+    assert [entry["step"] for entry in metrics["log"]] == [0, 4, 8, 11]
+    assert metrics["log"][2]["step_tok_per_sec"] is None  # steps 5-8: all profiled (warm-up and active)
+    assert "Step tok/sec: n/a" in result.stdout
+
+
+@pytest.mark.parametrize("case", ["profile-too-short", "snapshot-off-cuda"])
+def test_inspection_flags_that_cannot_work_stop_before_training(case, small_text, tmp_path):
+    flags = {"profile-too-short": ["--profile", "--max-steps", 8],
+             "snapshot-off-cuda": ["--memory-snapshot", "--device", "cpu"]}[case]
+    result = run_script("00_orig.py", "--tiny", "--data", small_text, "--out", tmp_path / "run", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    expected = {"profile-too-short": "--max-steps 9", "snapshot-off-cuda": "needs a GPU"}[case]
+    assert expected in lines[0]
+    assert "Ep 1" not in result.stdout and not (tmp_path / "run" / "model.pth").exists()
+
+
+@pytest.mark.parametrize("script", ("00_orig.py", "01_opt_single_gpu.py"))
+def test_the_flops_formula_matches_the_counted_flops_of_the_full_size_model(script):
+    stage = load_stage(script)
+    cfg = stage.GPT_CONFIG_124M
+    counted = common.counted_flops_per_token(lambda: stage.GPTModel(cfg), cfg["context_length"])
+    formula = common.flops_per_token(cfg, 50257)
+    # measured: 0.8544384 G both for 00; 01 counts 6 x 768 x 47 more for its padded vocabulary columns
+    padded_columns = 6 * cfg["emb_dim"] * (cfg["vocab_size"] - 50257)
+    assert counted == pytest.approx(formula + padded_columns, rel=1e-9)
+    assert counted == pytest.approx(formula, rel=1e-3)  # the stated tolerance: 0.1%
+    assert formula == pytest.approx(0.854e9, rel=1e-3)
+
+
+def test_the_header_sets_the_counted_flops_beside_the_formula(small_text, tmp_path):
+    result = run_script("01_opt_single_gpu.py", "--tiny", "--no-compile", "--data", small_text, "--out", tmp_path,
+                        "--max-steps", 1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("FLOPs per token"))
+    assert re.search(r"by the formula \(used for MFU\), [\d.]+ G counted by torch.utils.flop_counter", line)
+    assert "padded vocabulary columns" in line
+
+
+def test_readme_has_a_looking_inside_a_run_section():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Looking inside a run", 1)[1].split("\n## ", 1)[0]
+    for text in ("--profile", "--memory-snapshot", "memory_viz", "expandable_segments", "FlopCounterMode",
+                 "pytorch.org/docs"):
+        assert text in section, text
