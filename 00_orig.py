@@ -265,7 +265,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
                                                            resume["batches_done"])
     clock = common.TrainClock(device)
-    stop = common.StopSignal()  # Ctrl-C or SIGTERM: finish the step, save, exit
+    stop = common.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
