@@ -260,7 +260,7 @@ def counted_flops_per_token(build_model, context_length):
     """One training step's FLOPs per token (forward and backward), counted by torch.utils.flop_counter.
 
     The model is built on the meta device, so nothing is allocated or computed: a CPU counts the full-size
-    model in a second. Like the formula, the counter sees only matrix multiplications (no embedding
+    model in about two seconds. Like the formula, the counter sees only matrix multiplications (no embedding
     lookups, norms or elementwise work); on the meta device attention runs its math path, so the scores are
     counted in full, as the formula counts them (causal FlashAttention skips about half of that work).
     """
@@ -377,7 +377,7 @@ class RunInspection:
     def _write_trace(self, prof):
         path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
         save_atomically(lambda tmp: prof.export_chrome_trace(tmp), path)
-        sort_by = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         steps = f"{self.profiled_steps.start + PROFILE_WARMUP + 1}-{self.profiled_steps.stop}"
         self.report = (f"Profile of steps {steps} ({'CUDA' if self.cuda else 'CPU'} time; these steps are not in "
                        f"tok/s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)\n"
@@ -445,7 +445,7 @@ class Heartbeat:
 
 # How long a collective may wait in 02 before the job is declared broken (a lost process): NCCL's own default.
 # It has to cover the longest wait of a healthy run: rank 0 writing a checkpoint (about 2 GB at full size: this
-# allows a disk down to 4 MB/s) while the others wait in their next gradient all-reduce, or one rank compiling
+# allows a disk down to about 3.3 MB/s) while the others wait in their next gradient all-reduce, or one rank compiling
 # slower than the rest. On one node a lost process ends the job at once (torchrun stops the other workers);
 # across nodes, within this timeout.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)

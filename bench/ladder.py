@@ -378,14 +378,13 @@ def script_schedule(warmup, steps, windows, steps_per_epoch=None):
 
 def script_steps_per_epoch(script_name, args, processes):
     """Steps per epoch of a stage script on this corpus, from its own dataset class and batch size."""
-    from bench.rungs import load_stage
+    from bench.rungs import load_stage, training_windows
     from data import get_tokenizer, load_text
 
     stage = load_stage(script_name)
     cfg = stage.TINY_CONFIG if args.tiny else stage.GPT_CONFIG_124M
     batch_size = (stage.TINY_SETTINGS if args.tiny else stage.OTHER_SETTINGS)["batch_size"]
-    text, context = load_text(args.data), cfg["context_length"]
-    dataset = stage.SlidingWindowDataset(text[:int(0.9 * len(text))], get_tokenizer(), context, stride=context)
+    dataset = training_windows(stage, load_text(args.data), get_tokenizer(), cfg["context_length"])
     return len(dataset) // processes // batch_size  # the shards of DistributedSampler, then whole batches
 
 

@@ -133,9 +133,8 @@ class Rung:
 
     def make_train_loader(self, text, tokenizer, seed):
         """The training split's loader, cut and shuffled exactly as the stage scripts do it."""
-        split = int(0.9 * len(text))  # the scripts' 90/10 split; only the training part is used here
         context = self.cfg["context_length"]
-        dataset = self.data_stage.SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
+        dataset = training_windows(self.data_stage, text, tokenizer, context)
         loader = self.data_stage.create_dataloader(dataset, self.batch_size, shuffle=True, drop_last=True, seed=seed)
         if len(loader) == 0:
             raise ValueError(f"the training split holds {len(dataset)} windows of {context + 1} tokens, "
@@ -149,6 +148,11 @@ class Rung:
         loss.backward()
         self.optimizer.step()
         return loss
+
+
+def training_windows(stage, text, tokenizer, context):
+    """The training split's windows, cut by a stage's own dataset class: the scripts' 90/10 split."""
+    return stage.SlidingWindowDataset(text[:int(0.9 * len(text))], tokenizer, context, stride=context)
 
 
 def ampere_or_newer(device):

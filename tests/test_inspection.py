@@ -1,6 +1,7 @@
 """Looking inside a run: --profile, --memory-snapshot and counted FLOPs, the same in every stage."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ def test_profile_writes_a_trace_with_the_labelled_regions_and_keeps_those_steps_
     flags = ["--tiny", "--data", small_text, "--out", out, "--max-steps", 12, "--eval-freq", 4, "--profile"]
     if script.startswith("02"):  # two processes under torchrun, eager to keep the test short
         result = subprocess.run([*TORCHRUN, script, "--no-compile", *map(str, flags)], cwd=ROOT, capture_output=True,
-                                text=True, timeout=300, env={**subprocess.os.environ, "OMP_NUM_THREADS": "1"})
+                                text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     else:  # 01 compiled: the trace holds the compiled graphs
         result = run_script(script, *flags, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -10,6 +10,7 @@
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -76,7 +77,8 @@ def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage):
     training_step(), evaluation()  # compile both graphs first: their compilation is not the step
     largest = {"training": largest_allocation(training_step), "evaluation": largest_allocation(evaluation)}
     print({name: f"{size / 1e6:.1f} MB" for name, size in largest.items()}, f"float32 logits {float32_logits / 1e6} MB")
-    # measured: 25.8 MB in both (the bf16 logits and their gradient); a float32 copy would be 51.5 MB
+    # measured: 34.4 MB in training, under 0.1 MB in evaluation (PyTorch 2.15, CPU); a float32 copy of the logits
+    # inside the compiled graph does show here (a probe that kept one measured 51.5 MB)
     assert max(largest.values()) < float32_logits
 
 
@@ -129,7 +131,7 @@ def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text
         [sys.executable, "01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", tmp_path,
          "--epochs", "2", "--max-steps", "70", "--eval-freq", "30", "--eval-iter", "100"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**subprocess.os.environ, "TORCH_LOGS": "recompiles,dynamo", "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "TORCH_LOGS": "recompiles,dynamo", "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("Every effort moves you") == 2  # a sample after each epoch
     assert "Recompiling" not in result.stderr, re.findall(r".*Recompiling.*\n.*\n.*", result.stderr)
@@ -168,7 +170,7 @@ def test_an_epoch_starts_without_waiting_for_loader_workers(stage, small_text, t
         for _ in batches:
             pass
     print("first batch of each epoch:", [f"{seconds * 1000:.1f} ms" for seconds in first_batch_seconds])
-    # measured: 0.3 ms; two workers started anew took 50 ms here (per epoch, on the training clock)
+    # measured here: 0.1-0.9 ms; two workers started anew took about 50 ms (per epoch, on the training clock)
     assert max(first_batch_seconds[1:]) < 0.02
 
 
@@ -284,7 +286,7 @@ def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatc
     for key in ("MASTER_ADDR", "MASTER_PORT"):  # setup_distributed sets them: restored after the test
         monkeypatch.setenv(key, "unset")
     stage.setup_distributed("cpu")
-    # a 2 GB checkpoint at 4 MB/s: 500 s; the timeout must cover it (it was 60 s)
+    # a 2 GB checkpoint at 3.3 MB/s: 600 s; the timeout must cover such a write (it was 60 s)
     assert seen["timeout"] == common.COLLECTIVE_TIMEOUT and common.COLLECTIVE_TIMEOUT.total_seconds() >= 500
     source = (ROOT / "common.py").read_text(encoding="utf-8")
     assert re.search(r"new_group\(backend=\"gloo\", timeout=COLLECTIVE_TIMEOUT\)", source)  # not gloo's 30 min
