@@ -384,10 +384,11 @@ def main():
                 "batch_size": args.batch_size, "eval_freq": args.eval_freq, "eval_iter": args.eval_iter,
                 "max_steps": args.max_steps}
     device = common.pick_device(args.device)
-    precision = "fp32"  # the book trains in plain float32
+    precision, precision_reason = "fp32", "the book trains in plain float32"
     heartbeat = common.Heartbeat()
 
-    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | precision: {precision}")
+    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | "
+          f"precision: {precision} ({precision_reason})")
 
     # Data: 90% of the text trains, 10% validates
     heartbeat.doing = "reading and tokenizing the corpus"
@@ -424,6 +425,7 @@ def main():
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
     print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
+    print(common.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
         print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
 

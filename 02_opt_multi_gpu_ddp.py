@@ -196,22 +196,18 @@ def token_ids_to_text(token_ids, tokenizer):
     return tokenizer.decode(token_ids.squeeze(0).tolist())
 
 
-def has_bf16(device):  # NEW (step 5): CPUs have bfloat16, and GPUs of compute capability 8.0 (Ampere) and newer
-    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 8
-
-
 def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): from pinned memory a copy is asynchronous: the host queues it and goes on to queue the step
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
-    # NEW (steps 5, 8): bf16 autocast around forward and loss, compiled into a graph for training or for evaluation
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=has_bf16(device)):
+    # NEW (steps 5, 8): autocast around forward and loss, compiled into a graph for training or for evaluation
+    dtype = common.autocast_dtype(device)  # bf16, or float16 on GPUs without bf16; None: no autocast helps here
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         return (training_loss if model.training else evaluation_loss)(model, input_batch, target_batch)
 
 
 def forward_and_loss(model, input_batch, target_batch):
     logits = model(input_batch)
-    # NEW (step 5): the loss in float32 (bf16 would round it to 3 digits). Compiled (step 8), the cast happens inside
-    # the loss kernel: no float32 copy of the batch x tokens x vocabulary logits is ever stored
+    # NEW (step 5): the loss in float32; compiled (step 8), the cast stays inside the loss kernel: no float32 logits
     return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
 
 
@@ -236,9 +232,8 @@ def calc_loss_loader(data_loader, model, device, num_batches=None):
             break
         if i % dist.get_world_size() != dist.get_rank():
             continue  # NEW (DDP): each rank evaluates its share of the batches; their sum is all-reduced below
-        missing = data_loader.batch_size - len(input_batch)  # NEW (step 8): pad a short last batch to full size,
-        input_batch = F.pad(input_batch, (0, 0, 0, missing))  # so the compiled evaluation graph keeps one shape;
-        target_batch = F.pad(target_batch, (0, 0, 0, missing), value=-100)  # the loss ignores targets of -100
+        pad = (0, 0, 0, data_loader.batch_size - len(input_batch))  # NEW (step 8): one compiled shape: pad short
+        input_batch, target_batch = F.pad(input_batch, pad), F.pad(target_batch, pad, value=-100)  # batch; -100 ignored
         total += calc_loss_batch(input_batch, target_batch, model, device).item()
     total = torch.tensor(total, dtype=torch.float64, device=device)  # NEW (DDP)
     dist.all_reduce(total)
@@ -282,6 +277,10 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
     if resume:
         history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
                                                            resume["batches_done"])
+    # NEW (step 5): with float16 the scaler scales the loss up, so small gradients do not underflow to 0
+    scaler = torch.amp.GradScaler(device.type, enabled=common.autocast_dtype(device) == torch.float16)
+    if resume and resume.get("scaler"):
+        scaler.load_state_dict(resume["scaler"])  # NEW (step 5): the loss scale goes on where it left off
     clock = common.TrainClock(device)
     stop = common.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
@@ -309,9 +308,10 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             with inspection.region("forward with loss"):
                 loss = calc_loss_batch(input_batch, target_batch, model, device)
             with inspection.region("backward"):
-                loss.backward()
+                scaler.scale(loss).backward()  # NEW (step 5): scaled with float16; otherwise loss.backward()
             with inspection.region("optimizer step"):
-                optimizer.step()
+                scaler.step(optimizer)  # NEW (step 5): with float16, a step whose gradients overflowed is skipped
+                scaler.update()
             global_step += 1
             inspection.step_done(global_step)
             if off_clock:
@@ -353,7 +353,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                 check_finite(loss, global_step)
                 history["steps"] = global_step + 1
                 save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
-                                 "history": history, "rng": common.rng_state(device)})
+                                 "history": history, "rng": common.rng_state(device),
+                                 "scaler": scaler.state_dict()})  # NEW (step 5): the loss scale, for --resume
                 if stop_signum:
                     raise common.Interrupted(stop_signum)
                 clock.start()
@@ -403,7 +404,7 @@ def setup_distributed(device_choice):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
-    device = common.pick_device(device_choice)
+    device = common.pick_device(device_choice, distributed=True)
     if device.type == "cuda":
         per_node, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
         if per_node > gpus:
@@ -430,13 +431,12 @@ def main():
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
     # NEW (step 2): TF32 tensor cores for float32 matmuls (Ampere and newer); after step 5, only those outside autocast
-    ampere_or_newer = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
-    torch.set_float32_matmul_precision("high" if ampere_or_newer else "highest")
-    precision = "bf16" if has_bf16(device) else "tf32" if ampere_or_newer else "fp32"  # NEW (steps 2, 5)
+    torch.set_float32_matmul_precision("high" if common.has_tf32(device) else "highest")
+    precision, precision_reason = common.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
     heartbeat = common.Heartbeat()
 
-    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | precision: {precision} | "
-          f"world size: {world_size}")  # NEW (DDP)
+    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | "
+          f"precision: {precision} ({precision_reason}) | world size: {world_size}")  # NEW (DDP)
 
     # Data: 90% of the text trains, 10% validates
     heartbeat.doing = "reading and tokenizing the corpus"
@@ -467,8 +467,9 @@ def main():
     torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; DDP gives all rank 0's weights
     model = GPTModel(cfg).to(device)
     torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
+    common.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
-                                  weight_decay=settings["weight_decay"], fused=True)  # NEW (step 3): one kernel
+                                  weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
     # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
     # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (650 MB full size)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
@@ -479,6 +480,7 @@ def main():
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
     print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
+    print(common.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
         print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
 

@@ -8,6 +8,7 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 import argparse
 import contextlib
 import datetime
+import functools
 import errno
 import json
 import os
@@ -96,8 +97,9 @@ def build_parser(description, settings, tiny_settings):
                         help=f"evaluate and log every N steps ({default('eval_freq')})")
     parser.add_argument("--eval-iter", type=_positive_int,
                         help=f"batches per loss estimate at each evaluation ({default('eval_iter')})")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where to train; auto: CUDA when available (default: auto)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
+                        help="where to train; auto: CUDA when available, else Apple's MPS, else the CPU "
+                             "(default: auto)")
     parser.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
     parser.add_argument("--out", default=f"runs/{script}",
                         help=f"folder for metrics.json, loss.pdf/png and model.pth (default: runs/{script})")
@@ -138,13 +140,33 @@ def check_out_dir(out):
     return out
 
 
-def pick_device(choice):
+def pick_device(choice, distributed=False):
+    """The torch.device for --device. `auto` prefers CUDA, then Apple's MPS, then the CPU.
+
+    `distributed` (stage 02): torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo CPU
+    and CUDA), so there `auto` takes the CPU instead of MPS, and an explicit `--device mps` is refused.
+    """
     import torch
 
     if choice == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu (or auto)")
+    if choice == "mps" and not torch.backends.mps.is_available():
+        why = ("this PyTorch build has no MPS support" if not torch.backends.mps.is_built()
+               else "not a Mac with a GPU and macOS version that MPS supports")
+        raise UsageError(f"--device mps was asked for but PyTorch sees no Apple GPU ({why}): "
+                         "use --device cpu (or auto)")
+    if choice == "mps" and distributed:
+        raise UsageError("--device mps: torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo "
+                         "CPU and CUDA), so DDP cannot run there: on a Mac use 01_opt_single_gpu.py, or --device cpu")
     if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            choice = "cuda"
+        elif torch.backends.mps.is_available() and distributed:
+            print("Device: the CPU, not the Apple GPU: torch.distributed has no backend for MPS tensors "
+                  "(01_opt_single_gpu.py trains on MPS)", flush=True)
+            choice = "cpu"
+        else:
+            choice = "mps" if torch.backends.mps.is_available() else "cpu"
     return torch.device(choice)
 
 
@@ -158,8 +180,12 @@ def free_port():
 
 
 def describe_device(device):
+    import platform
+
     import torch
 
+    if device.type == "mps":
+        return f"Apple GPU via MPS (macOS {platform.mac_ver()[0] or 'unknown'})"
     if device.type != "cuda":
         return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     major, minor = torch.cuda.get_device_capability(device)
@@ -167,39 +193,148 @@ def describe_device(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# What the hardware supports: step 5's precision, and the fallbacks an Apple GPU (MPS) needs
+# ---------------------------------------------------------------------------------------------
+
+# A test hook, not a user setting: TEST_FORCE_PRECISION=fp16 takes step 5's float16 + GradScaler path on any device
+# (autocast float16 and GradScaler work on the CPU too), so the tests can train and resume that path without a V100.
+FORCE_PRECISION_VARIABLE = "TEST_FORCE_PRECISION"
+
+
+@functools.lru_cache(maxsize=None)
+def autocast_precision(device):
+    """Step 5's choice for `device`: (precision, reason). The precision is "bf16" or "fp16" (autocast to that
+    dtype; fp16 with a gradient scaler) or "fp32" (no autocast: no reduced precision helps or works there)."""
+    import torch
+
+    forced = os.environ.get(FORCE_PRECISION_VARIABLE)
+    if forced:
+        if forced not in ("bf16", "fp16", "fp32"):
+            raise UsageError(f"{FORCE_PRECISION_VARIABLE}={forced}: use bf16, fp16 or fp32 (or unset it)")
+        return forced, f"forced by the test hook {FORCE_PRECISION_VARIABLE}"
+    if device.type == "cpu":
+        return "bf16", "CPUs compute in bfloat16 under autocast"
+    if device.type == "mps":
+        if torch.backends.mps.is_macos_or_newer(14, 0):
+            return "bf16", "MPS has bfloat16 from macOS 14 on"
+        return "fp32", "MPS has no bfloat16 before macOS 14: float32, step 5 falls back"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return "bf16", f"compute capability {major}.{minor} has bfloat16 tensor cores"
+    if major == 7:
+        return "fp16", (f"compute capability {major}.{minor} has float16 tensor cores but no bfloat16: float16 "
+                        "autocast, with a gradient scaler against underflow")
+    return "fp32", f"compute capability {major}.{minor} has no tensor cores: reduced precision would not pay"
+
+
+def autocast_dtype(device):
+    """The dtype that step 5's autocast computes in on `device`, or None: no autocast."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast_precision(device)[0])
+
+
+def has_tf32(device):
+    """Whether `device` has TF32 tensor cores for float32 matmuls (step 2): GPUs of compute capability 8.0 and up."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def has_fused(device):
+    """Whether this PyTorch has a fused AdamW kernel for `device` (step 3)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return device.type in _get_fused_kernels_supported_devices()
+
+
+def apply_fallbacks(device):
+    """Stages 01 and 02: one line for each optimization that cannot work on `device`, which then runs without it.
+
+    On CUDA and the CPU every step works. On Apple's MPS: pinned memory is a CUDA feature (step 4), fused AdamW
+    and bfloat16 depend on the PyTorch and macOS versions (steps 3 and 5), and torch.compile's MPS backend is
+    young (step 8): a graph it cannot compile runs eagerly instead of failing the run.
+    """
+    if device.type != "mps":
+        return
+    import torch
+
+    print("Fallback (step 4): pinned memory is CUDA only; on MPS batches are copied without pinning")
+    if not has_fused(device):
+        print(f"Fallback (step 3): PyTorch {torch.__version__} has no fused AdamW for MPS: the default AdamW")
+    precision, reason = autocast_precision(device)
+    if precision == "fp32":
+        print(f"Fallback (step 5): {reason}")
+    torch._dynamo.config.suppress_errors = True
+    print("Fallback (step 8): torch.compile on MPS is young: a graph that fails to compile runs eagerly "
+          "(PyTorch warns once for it) instead of stopping the run")
+
+
+# ---------------------------------------------------------------------------------------------
 # Throughput and MFU
 # ---------------------------------------------------------------------------------------------
 
-# Dense (no sparsity) peak TFLOP/s per GPU as (bf16, tf32, fp32), from NVIDIA's data sheets.
-# More specific names first: "H100 NVL" before "H100", "A100" before "A10".
+# Dense (no sparsity) peak TFLOP/s per GPU as (bf16, fp16, tf32, fp32) from NVIDIA's data sheets and architecture
+# whitepapers (README: "The peak table" lists them); None where the GPU has no such tensor-core format. bf16 and fp16
+# are with float32 accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures
+# "with sparsity" are halved. More specific names first: "H100 NVL" before "H100", "A100" before "A10".
 PEAK_TFLOPS = (
-    (r"H200 NVL", (835.5, 417.5, 60.3)),
-    (r"H200", (989.4, 494.7, 66.9)),
-    (r"H100 NVL", (835.5, 417.5, 60.3)),
-    (r"H100 PCIe", (756.5, 378.0, 51.2)),
-    (r"H100", (989.4, 494.7, 66.9)),      # SXM
-    (r"A100", (312.0, 156.0, 19.5)),
-    (r"A10\b", (125.0, 62.5, 31.2)),
-    (r"L4\b", (121.0, 60.0, 30.3)),
-    (r"RTX 4090", (165.2, 82.6, 82.6)),
-    (r"RTX 3090", (71.0, 35.6, 35.6)),
-    (r"V100", (None, None, 15.7)),
+    (r"GB200", (2500.0, 2500.0, 1250.0, 80.0)),       # per Blackwell GPU (a superchip holds two)
+    (r"B200", (2250.0, 2250.0, 1100.0, 75.0)),        # HGX B200, per GPU
+    (r"H200 NVL", (835.5, 835.5, 417.5, 60.3)),
+    (r"H200", (989.4, 989.4, 494.7, 66.9)),
+    (r"H100 NVL", (835.5, 835.5, 417.5, 60.3)),
+    (r"H100 PCIe", (756.5, 756.5, 378.0, 51.2)),
+    (r"H100", (989.4, 989.4, 494.7, 66.9)),           # SXM
+    (r"H800 PCIe", (756.5, 756.5, 378.0, 51.2)),
+    (r"H800", (989.4, 989.4, 494.7, 66.9)),           # SXM
+    (r"A100", (312.0, 312.0, 156.0, 19.5)),
+    (r"L40S", (362.05, 362.05, 183.0, 91.6)),
+    (r"A10\b", (125.0, 125.0, 62.5, 31.2)),
+    (r"L4\b", (121.0, 121.0, 60.0, 30.3)),
+    (r"RTX A6000", (154.8, 154.8, 77.4, 38.7)),
+    (r"RTX 4090", (165.2, 165.2, 82.6, 82.6)),
+    (r"RTX 4080", (97.5, 97.5, 48.7, 48.7)),          # the 16 GB card
+    (r"RTX 3090", (71.0, 71.0, 35.6, 35.6)),
+    (r"V100S", (None, 130.0, None, 16.4)),
+    (r"V100.*PCIE", (None, 112.0, None, 14.0)),
+    (r"V100", (None, 125.0, None, 15.7)),            # SXM2
+    (r"\bT4\b", (None, 65.0, None, 8.1)),
 )
-PRECISIONS = ("bf16", "tf32", "fp32")
+PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+
+
+def _peak_tflops(device, precision):
+    """(TFLOP/s or None, why there is none) for one GPU like `device`."""
+    import torch
+
+    if device.type == "cpu":
+        return None, "a CPU has no published dense peak in the table"
+    if device.type == "mps":
+        return None, "Apple does not publish a dense peak for its GPUs"
+    name = torch.cuda.get_device_name(device)
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            tflops = peaks[PRECISIONS.index(precision)]
+            return tflops, None if tflops else f"the {name} has no {precision} peak in the table"
+    return None, f"the {name} is not in the peak table (common.PEAK_TFLOPS): add its data-sheet figures"
 
 
 def peak_flops(device, precision, num_gpus=1):
-    """Dense peak FLOP/s of `num_gpus` GPUs like `device` at this precision, or None (CPU, unknown GPU)."""
+    """Dense peak FLOP/s of `num_gpus` GPUs like `device` at this precision, or None (CPU, MPS, unknown GPU)."""
+    tflops, _ = _peak_tflops(device, precision)
+    return tflops * 1e12 * num_gpus if tflops else None
+
+
+def mfu_line(device, precision):
+    """The start-up line that says what MFU is measured against, or why it is n/a for this run."""
+    tflops, why_not = _peak_tflops(device, precision)
+    if tflops is None:
+        return f"MFU: n/a: {why_not}"
     import torch
 
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for pattern, peaks in PEAK_TFLOPS:
-        if re.search(pattern, name):
-            tflops = peaks[PRECISIONS.index(precision)]
-            return tflops * 1e12 * num_gpus if tflops else None
-    return None
+    return (f"MFU against the {torch.cuda.get_device_name(device)}'s dense {precision} peak: {tflops:g} TFLOP/s "
+            "per GPU (NVIDIA data sheet)")
 
 
 def flops_per_token(cfg, vocab_size):
@@ -228,6 +363,7 @@ class TrainClock:
         import torch
 
         self.cuda = device.type == "cuda"
+        self.mps = device.type == "mps"  # no timing events there: synchronize, then read the host clock
         self.torch = torch
         self.seconds = 0.0
         self._start = None
@@ -237,6 +373,8 @@ class TrainClock:
             self._start = self.torch.cuda.Event(enable_timing=True)
             self._start.record()
         else:
+            if self.mps:
+                self.torch.mps.synchronize()
             self._start = time.perf_counter()
 
     def stop(self):
@@ -248,6 +386,8 @@ class TrainClock:
             end.synchronize()
             self.seconds += self._start.elapsed_time(end) / 1000
         else:
+            if self.mps:
+                self.torch.mps.synchronize()
             self.seconds += time.perf_counter() - self._start
         self._start = None
 
@@ -502,7 +642,8 @@ def rng_state(device):
     import torch
 
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "mps": torch.mps.get_rng_state() if device.type == "mps" else None}
 
 
 def restore_rng(state, device):
@@ -512,6 +653,8 @@ def restore_rng(state, device):
     random.setstate(state["python"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
+    if device.type == "mps" and state.get("mps") is not None:
+        torch.mps.set_rng_state(state["mps"])
 
 
 CHECKPOINT_KEYS = ("model", "optimizer", "config", "settings", "script", "epoch", "batches_done", "step",
