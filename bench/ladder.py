@@ -174,9 +174,8 @@ def describe_device_main(args):
     """Worker mode: what the device is (asked in a child so the parent never holds a CUDA context)."""
     import torch
 
-    from bench.rungs import ampere_or_newer
-
-    device = common.pick_device(args.device)
+    # the ladder times CUDA GPUs and CPUs: auto never picks an Apple GPU here (nothing on MPS is timed yet)
+    device = common.pick_device("cpu" if args.device == "auto" and not torch.cuda.is_available() else args.device)
     cuda = device.type == "cuda"
     if cuda:
         name = torch.cuda.get_device_name(device)
@@ -184,7 +183,6 @@ def describe_device_main(args):
     else:
         name = cpu_model_name()
         device_slug = "cpu-" + slug(re.sub(r"\((R|TM)\)|\bCPU\b|@.*$", " ", name))
-    tensor_cores = ampere_or_newer(device)
     info = {
         "device_type": device.type,
         "name": name,
@@ -197,7 +195,7 @@ def describe_device_main(args):
         "python": platform.python_version(),
         "peak_flops": {precision: common.peak_flops(device, precision) for precision in common.PRECISIONS},
         # the precision 01 and 02 train in here (their main() decides it the same way)
-        "stage01_precision": "bf16" if device.type == "cpu" or tensor_cores else "fp32",
+        "stage01_precision": common.autocast_precision(device)[0],
     }
     common.write_json(info, args.result)
     return common.EXIT_OK
@@ -573,6 +571,7 @@ def run_ladder(args):
     load_text(args.data)  # a wrong --data fails here, once, with exit code 2 (and middlemarch is cached once)
     with tempfile.TemporaryDirectory(prefix="ladder-") as scratch:
         device_info = describe_device(args, scratch)
+    args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
         device_info["slug"] + ("-tiny" if args.tiny else ""))
     logs = common.check_out_dir(out / "logs")
@@ -687,7 +686,7 @@ def render_markdown(report):
         "tok/s: median over the timing windows (min – max beside it); rung 11: all processes together, "
         "from 02's own per-interval `Step tok/sec` after the warm-up. × prev.: over the row above. "
         "MFU: per GPU, against the dense peak of the rung's precision (fp32, TF32 from rung 2 on Ampere and "
-        "newer, bf16 from rung 5), FLOPs per token for the 50,257-token vocabulary; none on a CPU. Memory: "
+        "newer, bf16 from rung 5, or fp16 on compute capability 7.x), FLOPs per token for the 50,257-token vocabulary; none on a CPU. Memory: "
         "`torch.cuda.max_memory_allocated/reserved` of the whole run (rung 11: 02's rank 0); none on a CPU. "
         "Final loss: the last measured step's training loss (rung 11: 02's evaluation at its last step).",
         "",

@@ -25,6 +25,8 @@ from types import ModuleType
 import torch
 import torch.nn as nn
 
+import common
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_00 = "00_orig.py"
 STAGE_01 = "01_opt_single_gpu.py"
@@ -37,7 +39,7 @@ CHANGES = {
     2: "TF32 tensor cores",
     3: "fused AdamW",
     4: "pinned memory, non-blocking copies",
-    5: "bfloat16 autocast",
+    5: "autocast: bf16 (fp16 + GradScaler before Ampere)",
     6: "nn.LayerNorm and nn.GELU",
     7: "scaled_dot_product_attention, fused QKV",
     8: "torch.compile",
@@ -121,10 +123,11 @@ class Rung:
     device: torch.device
     cfg: dict
     settings: dict
-    precision: str                 # what MFU is measured against: fp32, tf32 or bf16
+    precision: str                 # what MFU is measured against: fp32, tf32, bf16 or fp16
     model: nn.Module
     optimizer: torch.optim.Optimizer
     data_stage: ModuleType         # the stage whose dataset, DataLoader and calc_loss_batch this rung uses
+    scaler: torch.amp.GradScaler   # step 5's gradient scaler: enabled where it autocasts to float16
     notes: list = field(default_factory=list)
 
     @property
@@ -142,11 +145,12 @@ class Rung:
         return loader
 
     def train_step(self, inputs, targets):
-        """One optimizer step, the stage scripts' four lines."""
+        """One optimizer step, the stage scripts' lines (a disabled scaler passes the loss and the step through)."""
         self.optimizer.zero_grad()
         loss = self.data_stage.calc_loss_batch(inputs, targets, self.model, self.device)
-        loss.backward()
-        self.optimizer.step()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return loss
 
 
@@ -155,8 +159,15 @@ def training_windows(stage, text, tokenizer, context):
     return stage.SlidingWindowDataset(text[:int(0.9 * len(text))], tokenizer, context, stride=context)
 
 
-def ampere_or_newer(device):
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+class _CommonWithoutAutocast:
+    """Stage 01's `common` for rungs 0-4: the same module, except that step 5's autocast is not taken yet."""
+
+    def __getattr__(self, name):
+        return getattr(common, name)
+
+    @staticmethod
+    def autocast_dtype(device):
+        return None
 
 
 def model_config(number, tiny, stage00, stage01):
@@ -187,16 +198,17 @@ def compose(number, device, tiny, seed=123):
                      + (" (--tiny keeps the stages' tiny batch)" if before == settings["batch_size"] else ""))
 
     # Steps 2 and 5, decided as 01's main() decides them.
-    tensor_cores = ampere_or_newer(device)
+    tensor_cores = common.has_tf32(device)
     torch.set_float32_matmul_precision("high" if number >= 2 and tensor_cores else "highest")
-    use_bf16 = number >= 5 and (device.type == "cpu" or tensor_cores)
-    precision = "bf16" if use_bf16 else "tf32" if number >= 2 and tensor_cores else "fp32"
+    autocast_precision, reason = common.autocast_precision(device)
+    autocasts = number >= 5 and autocast_precision != "fp32"
+    precision = autocast_precision if autocasts else "tf32" if number >= 2 and tensor_cores else "fp32"
     if number == 2 and not tensor_cores:
         notes.append("no effect here: TF32 needs a GPU of compute capability 8.0 or newer")
     if number == 4 and device.type != "cuda":
         notes.append("no effect here: pinning and non_blocking copies need CUDA")
-    if number == 5 and not use_bf16:
-        notes.append("no effect here: this GPU has no bfloat16 (01 keeps float32 too)")
+    if number == 5:
+        notes.append(f"{autocast_precision}: {reason}" if autocasts else f"no effect here: {reason}")
 
     # The model. From rung 7 on every model part is 01's, so 01's GPTModel itself is used;
     # before that, stage 00's GPTModel with its module globals swapped for the steps taken so far
@@ -215,18 +227,19 @@ def compose(number, device, tiny, seed=123):
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"],
-                                  fused=True if number >= 3 else None)  # step 3; None: PyTorch's default
+                                  fused=common.has_fused(device) if number >= 3 else None)  # step 3
 
     # Steps 4, 5 and 8 live in 01's loss path: create_dataloader (pinning) and calc_loss_batch (non_blocking
     # copies, then bf16 autocast around forward and loss, compiled). This rung's copy of 01 leaves out the
     # steps it has not reached: no autocast before step 5, the eager forward and loss before step 8.
     data_stage = stage01 if number >= 4 else stage00
     if number < 5:
-        stage01.has_bf16 = lambda device: False
+        stage01.common = _CommonWithoutAutocast()
     if number < 8:
         stage01.training_loss = stage01.evaluation_loss = stage01.forward_and_loss
+    scaler = torch.amp.GradScaler(device.type, enabled=autocasts and precision == "fp16")
     return Rung(number=number, device=device, cfg=cfg, settings=settings, precision=precision, model=model,
-                optimizer=optimizer, data_stage=data_stage, notes=notes)
+                optimizer=optimizer, data_stage=data_stage, scaler=scaler, notes=notes)
 
 
 # ---------------------------------------------------------------------------------------------

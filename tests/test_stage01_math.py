@@ -94,7 +94,7 @@ def test_training_steps_give_the_same_losses_as_stage00(stage00, stage01, monkey
 
     01's own loss path (calc_loss_batch), in float32 and eager: bf16 (step 5) and compile (step 8) are rounding
     and kernel fusion, tested elsewhere."""
-    monkeypatch.setattr(stage01, "has_bf16", lambda device: False)
+    monkeypatch.setattr(stage01.common, "autocast_dtype", lambda device: None)
     model_00, model_01 = twin_models(stage00, stage01, vocab_01=REAL_VOCAB)
     opt_00 = torch.optim.AdamW(model_00.parameters(), lr=5e-4, weight_decay=0.1)
     opt_01 = torch.optim.AdamW(model_01.parameters(), lr=5e-4, weight_decay=0.1, fused=True)

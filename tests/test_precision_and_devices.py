@@ -1,0 +1,298 @@
+"""Every reader's machine: step 5's precision by hardware (bf16, float16 + GradScaler, float32), Apple's MPS with
+its fallbacks, and the MFU peak table.
+
+No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test hook TEST_FORCE_PRECISION (autocast
+float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
+"""
+
+import json
+
+import pytest
+import torch
+import torch._dynamo  # imported before any test fakes torch.cuda functions (its import walks them)
+
+import common
+from conftest import ROOT, run_script
+
+FP16 = {common.FORCE_PRECISION_VARIABLE: "fp16"}
+STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
+
+
+@pytest.fixture(autouse=True)
+def fresh_precision_choice(monkeypatch):
+    """autocast_precision is cached per device; every test starts from a clean cache and no forced precision."""
+    monkeypatch.delenv(common.FORCE_PRECISION_VARIABLE, raising=False)
+    common.autocast_precision.cache_clear()
+    yield
+    common.autocast_precision.cache_clear()
+
+
+def fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3"):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 5: the precision follows the hardware
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capability, precision, dtype, words", [
+    ((9, 0), "bf16", torch.bfloat16, "9.0 has bfloat16"),
+    ((8, 0), "bf16", torch.bfloat16, "8.0 has bfloat16"),
+    ((7, 5), "fp16", torch.float16, "7.5 has float16 tensor cores but no bfloat16"),   # T4, RTX 20xx
+    ((7, 0), "fp16", torch.float16, "gradient scaler"),                               # V100
+    ((6, 1), "fp32", None, "6.1 has no tensor cores"),                                # GTX 10xx
+])
+def test_gpus_get_the_reduced_precision_their_tensor_cores_have(monkeypatch, capability, precision, dtype, words):
+    device = fake_gpu(monkeypatch, capability)
+    chosen, reason = common.autocast_precision(device)
+    assert chosen == precision and words in reason
+    assert common.autocast_dtype(device) is dtype
+    assert common.has_tf32(device) == (capability[0] >= 8)
+
+
+def test_cpus_autocast_to_bf16_and_mps_depends_on_macos(monkeypatch):
+    assert common.autocast_precision(torch.device("cpu"))[0] == "bf16"
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: True)
+    assert common.autocast_precision(torch.device("mps")) == ("bf16", "MPS has bfloat16 from macOS 14 on")
+    common.autocast_precision.cache_clear()
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: major < 14)
+    precision, reason = common.autocast_precision(torch.device("mps"))
+    assert precision == "fp32" and "before macOS 14" in reason
+    assert common.autocast_dtype(torch.device("mps")) is None
+
+
+def test_the_test_hook_is_checked(monkeypatch):
+    monkeypatch.setenv(common.FORCE_PRECISION_VARIABLE, "fp8")
+    with pytest.raises(common.UsageError, match="use bf16, fp16 or fp32"):
+        common.autocast_precision(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("script, forced, header", [
+    ("00_orig.py", None, "precision: fp32 (the book trains in plain float32)"),
+    ("01_opt_single_gpu.py", None, "precision: bf16 (CPUs compute in bfloat16 under autocast)"),
+    ("01_opt_single_gpu.py", "fp32", "precision: fp32 (forced by the test hook TEST_FORCE_PRECISION)"),
+    ("02_opt_multi_gpu_ddp.py", None, "precision: bf16 (CPUs compute in bfloat16 under autocast) | world size: 1"),
+])
+def test_the_header_names_the_precision_and_why(tmp_path, small_text, script, forced, header):
+    env = {common.FORCE_PRECISION_VARIABLE: forced} if forced else {}
+    result = run_script(script, "--tiny", "--data", small_text, "--out", tmp_path, "--max-steps", "2",
+                        "--eval-freq", "1", "--eval-iter", "1", *(["--no-compile"] if script[1] != "0" else []),
+                        env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert header in result.stdout.splitlines()[0]
+    assert "MFU: n/a: a CPU has no published dense peak in the table" in result.stdout
+    checkpoint = torch.load(tmp_path / "model.pth", weights_only=True)
+    assert checkpoint.get("scaler", {}) == {}, "only float16 needs (and enables) the gradient scaler"
+
+
+# ---------------------------------------------------------------------------------------------
+# The float16 path: trains, resumes exactly, skips a step whose gradients overflowed
+# ---------------------------------------------------------------------------------------------
+
+FP16_FLAGS = ["--tiny", "--eval-freq", "3", "--eval-iter", "2"]
+
+
+def losses(out):
+    return {entry["step"]: (entry["train_loss"], entry["val_loss"])
+            for entry in json.loads((out / "metrics.json").read_text())["log"]}
+
+
+def test_float16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, small_text):
+    """Through the real entry point, as on a V100: 12 steps in one go == 6 steps, then --resume to 12, bit for bit.
+
+    Eager, like the other exact-resume tests: compiled runs agree to about 1e-8 only (the overflow test below runs the
+    compiled float16 path)."""
+    flags = [*FP16_FLAGS, "--data", small_text, "--no-compile"]
+    whole = run_script("01_opt_single_gpu.py", *flags, "--out", tmp_path / "whole", "--max-steps", "12", env=FP16)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert "precision: fp16 (forced by the test hook" in whole.stdout
+    logged = losses(tmp_path / "whole")
+    assert logged[11][0] < logged[0][0] - 0.1, f"the float16 run did not learn: {logged}"
+    checkpoint = torch.load(tmp_path / "whole" / "model.pth", weights_only=True)
+    assert {"scale", "_growth_tracker"} <= set(checkpoint["scaler"]), "the enabled scaler is in the checkpoint"
+
+    first = run_script("01_opt_single_gpu.py", *flags, "--out", tmp_path / "split", "--max-steps", "6", env=FP16)
+    assert first.returncode == 0, first.stderr[-2000:]
+    half = torch.load(tmp_path / "split" / "model.pth", weights_only=True)
+    assert half["scaler"]["_growth_tracker"] == 6, "six unskipped steps since the scale last changed"
+    second = run_script("01_opt_single_gpu.py", *flags, "--out", tmp_path / "split", "--max-steps", "12",
+                        "--resume", tmp_path / "split" / "model.pth", env=FP16)
+    assert second.returncode == 0, second.stderr[-2000:]
+    resumed = torch.load(tmp_path / "split" / "model.pth", weights_only=True)
+    assert resumed["scaler"] == checkpoint["scaler"], "the scaler resumed where it left off"
+    for name, tensor in checkpoint["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), name
+    assert losses(tmp_path / "split")[11] == logged[11]
+
+
+INJECT_INF = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import load_stage
+import common
+stage = load_stage("01_opt_single_gpu.py")
+real_step, calls = torch.amp.GradScaler.step, []
+def step_with_an_overflow(self, optimizer, *args, **kwargs):
+    calls.append(1)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(calls) == {bad_step}:  # as if one float16 gradient had overflowed in this step's backward
+        params[0].grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    scale = self.get_scale()
+    result = real_step(self, optimizer, *args, **kwargs)
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, params))
+    print(f"STEP {{len(calls)}} scale {{scale}} unchanged {{unchanged}}", flush=True)
+    return result
+torch.amp.GradScaler.step = step_with_an_overflow
+sys.argv = ["01_opt_single_gpu.py", *{flags!r}]
+sys.exit(common.run(stage.main))
+"""
+
+
+def test_a_step_whose_gradients_overflow_is_skipped_and_the_run_goes_on(tmp_path, small_text):
+    flags = [*FP16_FLAGS, "--data", str(small_text), "--out", str(tmp_path), "--max-steps", "9"]
+    result = run_script("-c", INJECT_INF.format(tests=str(ROOT / "tests"), bad_step=4, flags=flags), env=FP16)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "training failed" not in result.stderr and "Traceback" not in result.stderr
+    steps = [line.split() for line in result.stdout.splitlines() if line.startswith("STEP ")]
+    assert len(steps) == 9
+    unchanged = {int(fields[1]): fields[5] == "True" for fields in steps}
+    assert unchanged == {step: step == 4 for step in range(1, 10)}, "only the overflowed step leaves the weights"
+    scales = {int(fields[1]): float(fields[3]) for fields in steps}
+    assert scales[5] == scales[4] / 2, "the scaler backs off after an overflow"
+    assert all(scales[step] == scales[5] for step in range(5, 10))
+    logged = losses(tmp_path)
+    assert logged[8][0] < logged[0][0], "the run went on learning"
+
+
+# ---------------------------------------------------------------------------------------------
+# Apple's MPS: choosing it, refusing it, and the fallbacks (availability faked)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", STAGES)
+def test_device_mps_without_mps_stops_with_exit_2_and_one_line(tmp_path, script):
+    result = run_script(script, "--tiny", "--device", "mps", "--out", tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--device mps" in lines[0] and "no Apple GPU" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def fake_mac(monkeypatch, macos_14=True):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: macos_14 or major < 14)
+
+
+def test_auto_picks_mps_when_there_is_no_cuda(monkeypatch, capsys):
+    fake_mac(monkeypatch)
+    assert common.pick_device("auto") == torch.device("mps")
+    assert common.pick_device("mps") == torch.device("mps")
+    assert capsys.readouterr().out == ""
+
+
+def test_stage_02_trains_on_the_cpu_of_a_mac_and_refuses_mps(monkeypatch, capsys):
+    """torch.distributed has no backend for MPS tensors: auto takes the CPU (one line), --device mps exits 2."""
+    fake_mac(monkeypatch)
+    assert common.pick_device("auto", distributed=True) == torch.device("cpu")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and "no backend for MPS" in printed[0]
+    with pytest.raises(common.UsageError, match="DDP cannot run there"):
+        common.pick_device("mps", distributed=True)
+
+
+@pytest.mark.parametrize("fused, macos_14, expected", [
+    (True, True, ["step 4", "step 8"]),
+    (False, False, ["step 4", "step 3", "step 5", "step 8"]),
+])
+def test_each_step_mps_cannot_take_falls_back_with_one_line(monkeypatch, capsys, fused, macos_14, expected):
+    fake_mac(monkeypatch, macos_14)
+    monkeypatch.setattr(common, "has_fused", lambda device: fused)
+    with torch._dynamo.config.patch(suppress_errors=False):  # restored afterwards
+        common.apply_fallbacks(torch.device("mps"))
+        assert torch._dynamo.config.suppress_errors, "a graph that fails to compile on MPS runs eagerly"
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("(")[1].split(")")[0] for line in lines] == expected
+    assert all(line.startswith("Fallback (step ") for line in lines)
+
+
+def test_no_fallbacks_on_cuda_or_the_cpu(monkeypatch, capsys):
+    with torch._dynamo.config.patch(suppress_errors=False):
+        common.apply_fallbacks(torch.device("cpu"))
+        common.apply_fallbacks(fake_gpu(monkeypatch))
+        assert capsys.readouterr().out == "" and not torch._dynamo.config.suppress_errors
+    assert common.has_fused(torch.device("cpu")) and common.has_fused(torch.device("cuda"))
+
+
+def test_the_clock_waits_for_the_apple_gpu(monkeypatch):
+    """MPS has no timing events here: the clock must synchronize before reading the host clock, at both ends."""
+    calls = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("sync"))
+    clock = common.TrainClock(torch.device("mps"))
+    clock.start()
+    assert calls == ["sync"]
+    clock.stop()
+    assert calls == ["sync", "sync"] and clock.take() >= 0
+
+
+def test_the_checkpoint_keeps_the_apple_gpus_random_state(monkeypatch):
+    state = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: state)
+    monkeypatch.setattr(torch.mps, "set_rng_state", restored.append)
+    saved = common.rng_state(torch.device("mps"))
+    assert saved["mps"] is state
+    common.restore_rng(saved, torch.device("mps"))
+    assert restored == [state]
+
+
+# ---------------------------------------------------------------------------------------------
+# MFU: the peak table and the precision it is measured against
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, precision, tflops", [
+    ("Tesla T4", "fp16", 65.0),
+    ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+    ("Tesla V100-PCIE-32GB", "fp16", 112.0),
+    ("Tesla V100S-PCIE-32GB", "fp16", 130.0),
+    ("NVIDIA L40S", "bf16", 362.05),           # not the L4's row
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA RTX A6000", "bf16", 154.8),
+    ("NVIDIA GeForce RTX 4080", "bf16", 97.5),
+    ("NVIDIA H800", "bf16", 989.4),
+    ("NVIDIA H800 PCIe", "bf16", 756.5),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+    ("NVIDIA H100 PCIe", "tf32", 378.0),
+    ("NVIDIA B200", "bf16", 2250.0),
+    ("NVIDIA GB200", "bf16", 2500.0),          # not the B200's row
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+    ("NVIDIA A10", "bf16", 125.0),             # not the A100's row
+])
+def test_the_peak_table_finds_each_gpu_by_its_cuda_name(monkeypatch, name, precision, tflops):
+    device = fake_gpu(monkeypatch, name=name)
+    assert common.peak_flops(device, precision) == pytest.approx(tflops * 1e12)
+    assert common.peak_flops(device, precision, num_gpus=4) == pytest.approx(4 * tflops * 1e12)
+    assert f"dense {precision} peak: {tflops:g} TFLOP/s" in common.mfu_line(device, precision)
+
+
+def test_gpus_without_bf16_have_no_bf16_peak(monkeypatch):
+    device = fake_gpu(monkeypatch, capability=(7, 0), name="Tesla V100-SXM2-16GB")
+    assert common.peak_flops(device, "bf16") is None and common.peak_flops(device, "tf32") is None
+    assert common.mfu_line(device, common.autocast_precision(device)[0]).startswith(
+        "MFU against the Tesla V100-SXM2-16GB's dense fp16 peak: 125 TFLOP/s")
+
+
+@pytest.mark.parametrize("device_kind, reason", [
+    ("unknown", "the NVIDIA RTX PRO 9000 is not in the peak table"),
+    ("mps", "Apple does not publish a dense peak"),
+    ("cpu", "a CPU has no published dense peak"),
+])
+def test_mfu_is_n_a_with_the_reason_where_the_peak_is_unknown(monkeypatch, device_kind, reason):
+    device = (fake_gpu(monkeypatch, name="NVIDIA RTX PRO 9000") if device_kind == "unknown"
+              else torch.device(device_kind))
+    assert common.peak_flops(device, "bf16") is None
+    assert common.mfu(1e6, 1e9, common.peak_flops(device, "bf16")) is None
+    line = common.mfu_line(device, "bf16")
+    assert line.startswith("MFU: n/a: ") and reason in line
