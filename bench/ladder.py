@@ -65,7 +65,7 @@ TINY_DEFAULTS = {"warmup": 2, "steps": 10, "windows": 5}
 
 # Short names for the chart's axis.
 SHORT_NAMES = {0: "baseline (00)", 1: "mask on the fly", 2: "TF32", 3: "fused AdamW", 4: "pinned memory",
-               5: "bf16", 6: "native LN/GELU", 7: "SDPA + fused QKV", 8: "torch.compile", 9: "vocab 50,304",
+               5: "bf16 / fp16", 6: "native LN/GELU", 7: "SDPA + fused QKV", 8: "torch.compile", 9: "vocab 50,304",
                10: "larger batch (01)", 11: "DDP (02)"}
 
 
@@ -686,7 +686,8 @@ def render_markdown(report):
         "tok/s: median over the timing windows (min – max beside it); rung 11: all processes together, "
         "from 02's own per-interval `Step tok/sec` after the warm-up. × prev.: over the row above. "
         "MFU: per GPU, against the dense peak of the rung's precision (fp32, TF32 from rung 2 on Ampere and "
-        "newer, bf16 from rung 5, or fp16 on compute capability 7.x), FLOPs per token for the 50,257-token vocabulary; none on a CPU. Memory: "
+        "newer, bf16 from rung 5, fp16 on compute capability 7.x), FLOPs per token for the 50,257-token "
+        "vocabulary; none on a CPU. Memory: "
         "`torch.cuda.max_memory_allocated/reserved` of the whole run (rung 11: 02's rank 0); none on a CPU. "
         "Final loss: the last measured step's training loss (rung 11: 02's evaluation at its last step).",
         "",
