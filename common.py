@@ -8,8 +8,8 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 import argparse
 import contextlib
 import datetime
-import functools
 import errno
+import functools
 import json
 import os
 import random
@@ -267,7 +267,7 @@ def apply_fallbacks(device):
         print(f"Fallback (step 5): {reason}")
     torch._dynamo.config.suppress_errors = True
     print("Fallback (step 8): torch.compile on MPS is young: a graph that fails to compile runs eagerly "
-          "(PyTorch warns once for it) instead of stopping the run")
+          "(PyTorch logs a warning for it) instead of stopping the run")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def apply_fallbacks(device):
 # ---------------------------------------------------------------------------------------------
 
 # Dense (no sparsity) peak TFLOP/s per GPU as (bf16, fp16, tf32, fp32) from NVIDIA's data sheets and architecture
-# whitepapers (README: "The peak table" lists them); None where the GPU has no such tensor-core format. bf16 and fp16
+# whitepapers (the README's "Reading the log" lists them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16
 # are with float32 accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures
 # "with sparsity" are halved. More specific names first: "H100 NVL" before "H100", "A100" before "A10".
 PEAK_TFLOPS = (

@@ -1,6 +1,7 @@
 """Shared test helpers: run the stage scripts as a user would, and import them as modules."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,28 @@ def run_script(*args, timeout=300, env=None):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_with_fault(tmp_path, small_text, fault, *flags, script="00_orig.py", env=None):
+    """Run a stage's main in a subprocess, --tiny on `small_text` into tmp_path/run, after the Python code `fault`
+    has replaced some of its functions (the stage module is `stage`; torch and common are imported)."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from conftest import load_stage
+import common
+stage = load_stage({script!r})
+{fault}
+sys.argv = [{script!r}, "--tiny", "--data", {str(small_text)!r}, "--out", {str(tmp_path / 'run')!r}, *{flags!r}]
+sys.exit(common.run(stage.main))
+"""
+    return run_script("-c", code, env=env)
+
+
+def logged_losses(out):
+    """{step: (train loss, validation loss)} of every log line in <out>/metrics.json."""
+    log = json.loads((Path(out) / "metrics.json").read_text())["log"]
+    return {entry["step"]: (entry["train_loss"], entry["val_loss"]) for entry in log}
 
 
 @pytest.fixture(scope="session")

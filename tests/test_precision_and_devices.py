@@ -5,14 +5,12 @@ No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test
 float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
 """
 
-import json
-
 import pytest
 import torch
 import torch._dynamo  # imported before any test fakes torch.cuda functions (its import walks them)
 
 import common
-from conftest import ROOT, run_script
+from conftest import logged_losses, run_script, run_with_fault
 
 FP16 = {common.FORCE_PRECISION_VARIABLE: "fp16"}
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
@@ -91,24 +89,16 @@ def test_the_header_names_the_precision_and_why(tmp_path, small_text, script, fo
 # The float16 path: trains, resumes exactly, skips a step whose gradients overflowed
 # ---------------------------------------------------------------------------------------------
 
-FP16_FLAGS = ["--tiny", "--eval-freq", "3", "--eval-iter", "2"]
-
-
-def losses(out):
-    return {entry["step"]: (entry["train_loss"], entry["val_loss"])
-            for entry in json.loads((out / "metrics.json").read_text())["log"]}
-
-
 def test_float16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, small_text):
     """Through the real entry point, as on a V100: 12 steps in one go == 6 steps, then --resume to 12, bit for bit.
 
     Eager, like the other exact-resume tests: compiled runs agree to about 1e-8 only (the overflow test below runs the
     compiled float16 path)."""
-    flags = [*FP16_FLAGS, "--data", small_text, "--no-compile"]
+    flags = ["--tiny", "--eval-freq", "3", "--eval-iter", "2", "--data", small_text, "--no-compile"]
     whole = run_script("01_opt_single_gpu.py", *flags, "--out", tmp_path / "whole", "--max-steps", "12", env=FP16)
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert "precision: fp16 (forced by the test hook" in whole.stdout
-    logged = losses(tmp_path / "whole")
+    logged = logged_losses(tmp_path / "whole")
     assert logged[11][0] < logged[0][0] - 0.1, f"the float16 run did not learn: {logged}"
     checkpoint = torch.load(tmp_path / "whole" / "model.pth", weights_only=True)
     assert {"scale", "_growth_tracker"} <= set(checkpoint["scaler"]), "the enabled scaler is in the checkpoint"
@@ -124,36 +114,29 @@ def test_float16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, sma
     assert resumed["scaler"] == checkpoint["scaler"], "the scaler resumed where it left off"
     for name, tensor in checkpoint["model"].items():
         assert torch.equal(resumed["model"][name], tensor), name
-    assert losses(tmp_path / "split")[11] == logged[11]
+    assert logged_losses(tmp_path / "split")[11] == logged[11]
 
 
-INJECT_INF = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from conftest import load_stage
-import common
-stage = load_stage("01_opt_single_gpu.py")
+OVERFLOW_AT_STEP_4 = """
 real_step, calls = torch.amp.GradScaler.step, []
 def step_with_an_overflow(self, optimizer, *args, **kwargs):
     calls.append(1)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(calls) == {bad_step}:  # as if one float16 gradient had overflowed in this step's backward
+    if len(calls) == 4:  # as if one float16 gradient had overflowed in this step's backward
         params[0].grad.view(-1)[0] = float("inf")
     before = [p.detach().clone() for p in params]
     scale = self.get_scale()
     result = real_step(self, optimizer, *args, **kwargs)
     unchanged = all(torch.equal(b, p) for b, p in zip(before, params))
-    print(f"STEP {{len(calls)}} scale {{scale}} unchanged {{unchanged}}", flush=True)
+    print(f"STEP {len(calls)} scale {scale} unchanged {unchanged}", flush=True)
     return result
 torch.amp.GradScaler.step = step_with_an_overflow
-sys.argv = ["01_opt_single_gpu.py", *{flags!r}]
-sys.exit(common.run(stage.main))
 """
 
 
 def test_a_step_whose_gradients_overflow_is_skipped_and_the_run_goes_on(tmp_path, small_text):
-    flags = [*FP16_FLAGS, "--data", str(small_text), "--out", str(tmp_path), "--max-steps", "9"]
-    result = run_script("-c", INJECT_INF.format(tests=str(ROOT / "tests"), bad_step=4, flags=flags), env=FP16)
+    result = run_with_fault(tmp_path, small_text, OVERFLOW_AT_STEP_4, "--eval-freq", "3", "--eval-iter", "2",
+                            "--max-steps", "9", script="01_opt_single_gpu.py", env=FP16)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "training failed" not in result.stderr and "Traceback" not in result.stderr
     steps = [line.split() for line in result.stdout.splitlines() if line.startswith("STEP ")]
@@ -163,7 +146,7 @@ def test_a_step_whose_gradients_overflow_is_skipped_and_the_run_goes_on(tmp_path
     scales = {int(fields[1]): float(fields[3]) for fields in steps}
     assert scales[5] == scales[4] / 2, "the scaler backs off after an overflow"
     assert all(scales[step] == scales[5] for step in range(5, 10))
-    logged = losses(tmp_path)
+    logged = logged_losses(tmp_path / "run")
     assert logged[8][0] < logged[0][0], "the run went on learning"
 
 

@@ -12,18 +12,13 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, run_script
+from conftest import ROOT, logged_losses, run_script, run_with_fault
 
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
 
 
 def eager(script):
     return ["--no-compile"] if not script.startswith("00") else []
-
-
-def logged_losses(out):
-    log = json.loads((Path(out) / "metrics.json").read_text())["log"]
-    return {entry["step"]: (entry["train_loss"], entry["val_loss"]) for entry in log}
 
 
 @pytest.mark.parametrize("script", STAGES)
@@ -204,21 +199,6 @@ def test_checkpoint_holds_what_resume_needs(tiny_checkpoint, stage00):
     assert checkpoint["settings"]["seed"] == 123 and checkpoint["tokens_per_step"] == 4 * 64
     assert isinstance(checkpoint["rng"]["torch"], torch.Tensor)
     assert checkpoint["optimizer"]["state"], "AdamW's moments are saved"
-
-
-def run_with_fault(tmp_path, small_text, fault, *flags):
-    """Run 00_orig.py's main in a subprocess with one of its functions replaced by a faulty one."""
-    code = f"""
-import sys, torch
-sys.path.insert(0, {str(ROOT / 'tests')!r})
-from conftest import load_stage
-import common
-stage = load_stage("00_orig.py")
-{fault}
-sys.argv = ["00_orig.py", "--tiny", "--data", {str(small_text)!r}, "--out", {str(tmp_path / 'run')!r}, *{flags!r}]
-sys.exit(common.run(stage.main))
-"""
-    return run_script("-c", code)
 
 
 def test_out_of_memory_ends_with_a_hint(tmp_path, small_text):
