@@ -275,9 +275,10 @@ def apply_fallbacks(device):
 # ---------------------------------------------------------------------------------------------
 
 # Dense (no sparsity) peak TFLOP/s per GPU as (bf16, fp16, tf32, fp32) from NVIDIA's data sheets and architecture
-# whitepapers (the README's "Reading the log" lists them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16
-# are with float32 accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures
-# "with sparsity" are halved. More specific names first: "H100 NVL" before "H100", "A100" before "A10".
+# whitepapers (the README's "Reading the log" lists them with their sources); None where the GPU has no such
+# tensor-core format. bf16 and fp16 are with float32 accumulation, as autocast's matmuls run (half rate on GeForce
+# cards). Sheets that quote figures "with sparsity" are halved. More specific names first: "H100 NVL" before
+# "H100", "A100" before "A10".
 PEAK_TFLOPS = (
     (r"GB200", (2500.0, 2500.0, 1250.0, 80.0)),       # per Blackwell GPU (a superchip holds two)
     (r"B200", (2250.0, 2250.0, 1100.0, 75.0)),        # HGX B200, per GPU
