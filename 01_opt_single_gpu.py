@@ -390,7 +390,7 @@ def main():
     parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
     args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)
-    cfg = TINY_CONFIG if args.tiny else GPT_CONFIG_124M
+    cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
     settings = {**(TINY_SETTINGS if args.tiny else OTHER_SETTINGS), "num_epochs": args.epochs,
                 "batch_size": args.batch_size, "eval_freq": args.eval_freq, "eval_iter": args.eval_iter,
                 "max_steps": args.max_steps}

@@ -75,9 +75,24 @@ def whole_number(minimum):
 _positive_int, _non_negative_int = whole_number(1), whole_number(0)
 
 
+# The book's four GPT-2 sizes (--model): width, layers and heads; the rest of the config is the stage's own.
+MODEL_SIZES = {
+    "gpt2-small": {"emb_dim": 768, "n_layers": 12, "n_heads": 12},     # 124M in the book (163M, untied head)
+    "gpt2-medium": {"emb_dim": 1024, "n_layers": 24, "n_heads": 16},   # 355M (406M)
+    "gpt2-large": {"emb_dim": 1280, "n_layers": 36, "n_heads": 20},    # 774M (838M)
+    "gpt2-xl": {"emb_dim": 1600, "n_layers": 48, "n_heads": 25},       # 1558M (1638M)
+}
+
+
+def model_config(args, config, tiny_config):
+    """The model config of this run: --tiny's, or the stage's config at the size --model names."""
+    return dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
+
+
 def build_parser(description, settings, tiny_settings):
     """The flags shared by the three stages; `settings` gives the stage's defaults."""
-    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)  # --max-step must be an error, not --max-steps
     script = Path(sys.argv[0]).stem
 
     def default(key):
@@ -100,6 +115,9 @@ def build_parser(description, settings, tiny_settings):
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
                         help="where to train; auto: CUDA when available, else Apple's MPS, else the CPU "
                              "(default: auto)")
+    parser.add_argument("--model", choices=tuple(MODEL_SIZES), default="gpt2-small",
+                        help="which of the book's GPT-2 sizes to train; --tiny replaces it with a small model "
+                             "(default: gpt2-small)")
     parser.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
     parser.add_argument("--out", default=f"runs/{script}",
                         help=f"folder for metrics.json, loss.pdf/png and model.pth (default: runs/{script})")
