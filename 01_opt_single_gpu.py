@@ -194,10 +194,12 @@ def token_ids_to_text(token_ids, tokenizer):
 def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): from pinned memory a copy is asynchronous: the host queues it and goes on to queue the step
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
-    # NEW (steps 5, 8): autocast around forward and loss, compiled into a graph for training or for evaluation
-    dtype = common.autocast_dtype(device)  # bf16, or float16 on GPUs without bf16; None: no autocast helps here
+    # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
+    dtype = common.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        return (training_loss if model.training else evaluation_loss)(model, input_batch, target_batch)
+        if model.training:  # NEW (step 8): training and evaluation are two compiled graphs, so neither recompiles
+            return training_loss(model, input_batch, target_batch)
+        return evaluation_loss(model, input_batch, target_batch)  # NEW (step 8)
 
 
 def forward_and_loss(model, input_batch, target_batch):

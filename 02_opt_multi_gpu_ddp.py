@@ -199,10 +199,12 @@ def token_ids_to_text(token_ids, tokenizer):
 def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): from pinned memory a copy is asynchronous: the host queues it and goes on to queue the step
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
-    # NEW (steps 5, 8): autocast around forward and loss, compiled into a graph for training or for evaluation
-    dtype = common.autocast_dtype(device)  # bf16, or float16 on GPUs without bf16; None: no autocast helps here
+    # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
+    dtype = common.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        return (training_loss if model.training else evaluation_loss)(model, input_batch, target_batch)
+        if model.training:  # NEW (DDP): through the DDP wrapper, whose module runs the compiled training_loss
+            return model(input_batch, target_batch)
+        return evaluation_loss(model, input_batch, target_batch)  # NEW (step 8)
 
 
 def forward_and_loss(model, input_batch, target_batch):
@@ -219,6 +221,18 @@ def training_loss(model, input_batch, target_batch):
 @torch.compile  # NEW (step 8): evaluation (no dropout, no gradients) is another graph, in a function of its own
 def evaluation_loss(model, input_batch, target_batch):  # so that neither graph ever recompiles the other
     return forward_and_loss(model, input_batch, target_batch)
+
+
+class ModelWithLoss(nn.Module):
+    """NEW (DDP): what DDP wraps: forward and loss, compiled as one graph (step 8). DDP's hooks then run around
+    the graph, and its only splits are DDP's own, one per gradient bucket (so all-reduces overlap backward)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_batch, target_batch):
+        return training_loss(self.model, input_batch, target_batch)
 
 
 def calc_loss_loader(data_loader, model, device, num_batches=None):
@@ -332,7 +346,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                    if history["timed_seconds"] else None)
                 mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
                 heartbeat.doing = "evaluating"
-                train_loss, val_loss = evaluate_model(model.module, train_eval_loader, val_loader, device,  # NEW (DDP)
+                train_loss, val_loss = evaluate_model(model.module.model, train_eval_loader, val_loader, device,  # NEW (DDP)
                                                       args.eval_iter)  # the model inside the wrapper: no DDP hooks
                 check_finite(loss, global_step, train_loss, val_loss)
                 print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
@@ -363,7 +377,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
 
         clock.stop()  # the sample is not training either
         heartbeat.doing = "generating a sample"
-        generate_and_print_sample(model.module, tokenizer, device,  # NEW (DDP): the model inside the wrapper
+        generate_and_print_sample(model.module.model, tokenizer, device,  # NEW (DDP): the model inside the wrapper
                                   start_context="Every effort moves you")
         if device.type == "cuda":
             print(f"Allocated memory: {torch.cuda.memory_allocated(device) / 1024**3:.4f} GB")
@@ -472,7 +486,7 @@ def main():
                                   weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
     # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
     # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (650 MB full size)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    ddp_model = DDP(ModelWithLoss(model), device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     num_params = sum(p.numel() for p in model.parameters())
     speed = {"context_length": context, "tokens_per_step": args.batch_size * context * world_size,  # NEW (DDP)
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),

@@ -1,0 +1,21 @@
+"""Stage 02 compiles forward and loss as one graph that DDP wraps: no graph break at world size 1 either.
+
+The two-process case shares its run with test_speed_habits.py (dropout masks per rank), which also asserts
+that TORCH_LOGS=graph_breaks stays silent there.
+"""
+
+import re
+
+from test_stage02_ddp import clean_env, run_all, torchrun
+
+
+def test_stage02_compiles_without_graph_breaks_in_one_process(small_text, tmp_path):
+    # Before DDP wrapped the compiled unit, Dynamo traced into DDP's own forward and broke the graph at its
+    # _pre_forward and in contextlib frames: 4 "Graph break" lines in this very run.
+    [(rc, stdout, stderr)] = run_all([torchrun(
+        "--standalone", "--nproc_per_node=1", "02_opt_multi_gpu_ddp.py", "--tiny", "--data", small_text,
+        "--out", tmp_path / "run", "--max-steps", 4, "--eval-freq", 2, "--eval-iter", 1)], timeout=300,
+        envs=[clean_env(TORCH_LOGS="graph_breaks,recompiles")])
+    assert rc == 0, stdout[-2000:] + stderr[-3000:]
+    assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]
+    assert "Recompiling" not in stderr, re.findall(r".*Recompiling.*", stderr)[:3]
