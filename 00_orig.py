@@ -19,7 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+import checkpoints
 import common
+import inspection
 from data import get_tokenizer, load_text
 
 GPT_CONFIG_124M = {
@@ -265,14 +267,14 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
                                                            resume["batches_done"])
     clock = common.TrainClock(device)
-    stop = common.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
+    stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
-        raise common.NothingToTrain(f"the checkpoint is at step {history['steps']}, and this run ends at step "
+        raise common.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
                                     f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
                                     "raise --epochs or --max-steps to train on. No file was changed.")
-    inspection = common.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
+    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
 
     for epoch in range(start_epoch, args.epochs):
         model.train()
@@ -283,19 +285,19 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             next(batches)
         clock.start()
         for input_batch, target_batch in batches:
-            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 2}"
-            off_clock = inspection.off_clock(global_step + 1)  # a profiled step is slower: not timed
+            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 1}"
+            off_clock = inspector.off_clock(global_step + 1)  # a profiled step is slower: not timed
             if off_clock:
                 clock.stop()
             optimizer.zero_grad()
-            with inspection.region("forward with loss"):
+            with inspector.region("forward with loss"):
                 loss = calc_loss_batch(input_batch, target_batch, model, device)
-            with inspection.region("backward"):
+            with inspector.region("backward"):
                 loss.backward()
-            with inspection.region("optimizer step"):
+            with inspector.region("optimizer step"):
                 optimizer.step()
             global_step += 1
-            inspection.step_done(global_step)
+            inspector.step_done(global_step)
             if off_clock:
                 clock.start()
             batches_done += 1
@@ -314,7 +316,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                    if history["timed_seconds"] else None)
                 mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
                 heartbeat.doing = "evaluating"
-                train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader, device, args.eval_iter)
+                train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader,
+                                                      device, args.eval_iter)
                 check_finite(loss, global_step, train_loss, val_loss)
                 print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
                       f"Step tok/sec: {round(step_tok_per_sec) if step_tok_per_sec else 'n/a'}, Avg tok/sec: "
@@ -334,23 +337,24 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                 check_finite(loss, global_step)
                 history["steps"] = global_step + 1
                 save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
-                                 "history": history, "rng": common.rng_state(device)})
+                                 "history": history, "rng": checkpoints.rng_state(device)})
                 if stop_signum:
-                    raise common.Interrupted(stop_signum)
+                    raise common.Interrupted(stop_signum, global_step)
                 clock.start()
             if done:
                 break
 
         clock.stop()  # the sample is not training either
         heartbeat.doing = "generating a sample"
-        generate_and_print_sample(model, tokenizer, device, start_context="Every effort moves you")
+        generate_and_print_sample(model, tokenizer, device,
+                                  start_context="Every effort moves you")
         if device.type == "cuda":
             print(f"Allocated memory: {torch.cuda.memory_allocated(device) / 1024**3:.4f} GB")
             print(f"Reserved memory: {torch.cuda.memory_reserved(device) / 1024**3:.4f} GB")
         if done:
             break
     history["steps"] = global_step + 1
-    history["profile"] = inspection.finish()
+    history["profile"] = inspector.finish()
     return history
 
 
@@ -368,7 +372,7 @@ def plot_losses(history, path_stem):
     ax2.set_xlabel("Tokens seen")
     fig.tight_layout()
     for suffix in (".pdf", ".png"):  # written atomically, like every output
-        common.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
+        checkpoints.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
     plt.close(fig)
 
 
@@ -378,11 +382,10 @@ def plot_losses(history, path_stem):
 
 def main():
     parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
-    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)
+    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
     cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
-    settings = {**(TINY_SETTINGS if args.tiny else OTHER_SETTINGS), "num_epochs": args.epochs,
-                "batch_size": args.batch_size, "eval_freq": args.eval_freq, "eval_iter": args.eval_iter,
-                "max_steps": args.max_steps}
+    settings = common.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
     device = common.pick_device(args.device)
     precision, precision_reason = "fp32", "the book trains in plain float32"
     heartbeat = common.Heartbeat()
@@ -409,7 +412,6 @@ def main():
     train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
-    out = common.check_out_dir(args.out)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
           f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens")
 
@@ -423,32 +425,32 @@ def main():
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "peak_flops": common.peak_flops(device, precision)}
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
+    print(common.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=False))
     print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
     print(common.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
         print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
 
-    settings["seed"] = args.seed
     resume = None
     if args.resume:
-        resume = common.load_checkpoint(args.resume, Path(__file__).name, cfg, speed["tokens_per_step"], args.seed)
+        resume = checkpoints.load_checkpoint(args, speed["tokens_per_step"])  # opened and checked at the start
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
-        common.restore_rng(resume["rng"], device)  # dropout continues where it left off
-        print(f"Resuming {args.resume} at step {resume['step']} (epoch {resume['epoch'] + 1})")
+        checkpoints.restore_rng(resume["rng"], device)  # dropout continues where it left off
+        print(common.resume_line(args, resume))
 
     def save_checkpoint(progress):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
                       "tokens_per_step": speed["tokens_per_step"], **progress}
-        common.save_torch(checkpoint, out / "model.pth")
+        checkpoints.save_torch(checkpoint, out / "model.pth")
 
     start = time.time()
     try:
-        history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader), device, args, speed,
-                              tokenizer, heartbeat, save_checkpoint, resume)
+        history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),
+                              device, args, speed, tokenizer, heartbeat, save_checkpoint, resume)
     except torch.cuda.OutOfMemoryError:
         raise common.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes")
@@ -468,7 +470,7 @@ def main():
         "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
     }
-    common.write_json(metrics, out / "metrics.json")
+    checkpoints.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
 

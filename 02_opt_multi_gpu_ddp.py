@@ -22,9 +22,11 @@ import torch.distributed as dist  # NEW (DDP)
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP  # NEW (DDP)
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data.distributed import DistributedSampler  # NEW (DDP)
 
+import checkpoints
 import common
+import inspection
 from data import get_tokenizer, load_text
 
 GPT_CONFIG_124M = {
@@ -82,10 +84,7 @@ def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
     # NEW (DDP): each process takes its own disjoint share of the shuffled windows, reshuffled every epoch
     sampler = DistributedSampler(dataset, seed=seed, drop_last=drop_last) if shuffle else None
     # the loader's own generator (for worker seeds) leaves the global one, which drives dropout, alone
-    # NEW (step 4): pinned batches copy to the GPU asynchronously. No workers: slicing a batch in memory took 0.2 ms
-    # here, passing it from a worker 1.5-2 ms, and starting workers anew each epoch 50 ms (2 CPU cores)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=torch.Generator(),
-                      pin_memory=torch.cuda.is_available())
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=torch.Generator())
 
 
 #####################################
@@ -197,7 +196,9 @@ def token_ids_to_text(token_ids, tokenizer):
 
 
 def calc_loss_batch(input_batch, target_batch, model, device):
-    # NEW (step 4): from pinned memory a copy is asynchronous: the host queues it and goes on to queue the step
+    if device.type == "cuda":  # NEW (step 4): from pinned (page-locked) memory the copy below is asynchronous
+        input_batch, target_batch = input_batch.pin_memory(), target_batch.pin_memory()
+    # NEW (step 4): non_blocking: the host queues the copy and goes on to queue the step's kernels
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
     # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
     dtype = common.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
@@ -223,10 +224,7 @@ def evaluation_loss(model, input_batch, target_batch):  # so that neither graph 
     return forward_and_loss(model, input_batch, target_batch)
 
 
-class ModelWithLoss(nn.Module):
-    """NEW (DDP): what DDP wraps: forward and loss, compiled as one graph (step 8). DDP's hooks then run around
-    the graph, and its only splits are DDP's own, one per gradient bucket (so all-reduces overlap backward)."""
-
+class ModelWithLoss(nn.Module):  # NEW (DDP): what DDP wraps, so its hooks surround the compiled forward and loss
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -246,8 +244,10 @@ def calc_loss_loader(data_loader, model, device, num_batches=None):
             break
         if i % dist.get_world_size() != dist.get_rank():
             continue  # NEW (DDP): each rank evaluates its share of the batches; their sum is all-reduced below
-        pad = (0, 0, 0, data_loader.batch_size - len(input_batch))  # NEW (step 8): one compiled shape: pad short
-        input_batch, target_batch = F.pad(input_batch, pad), F.pad(target_batch, pad, value=-100)  # batch; -100 ignored
+        # NEW (step 8): a short last batch would be a new shape and compile again: pad it with rows of token 0 ...
+        missing_rows = data_loader.batch_size - len(input_batch)
+        input_batch = F.pad(input_batch, (0, 0, 0, missing_rows))  # (0, 0): no columns; (0, missing_rows): rows below
+        target_batch = F.pad(target_batch, (0, 0, 0, missing_rows), value=-100)  # ... whose targets the loss skips
         total += calc_loss_batch(input_batch, target_batch, model, device).item()
     total = torch.tensor(total, dtype=torch.float64, device=device)  # NEW (DDP)
     dist.all_reduce(total)
@@ -291,19 +291,20 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
     if resume:
         history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
                                                            resume["batches_done"])
-    # NEW (step 5): with float16 the scaler scales the loss up, so small gradients do not underflow to 0
+    # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
+    # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
     scaler = torch.amp.GradScaler(device.type, enabled=common.autocast_dtype(device) == torch.float16)
     if resume and resume.get("scaler"):
-        scaler.load_state_dict(resume["scaler"])  # NEW (step 5): the loss scale goes on where it left off
+        scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
     clock = common.TrainClock(device)
-    stop = common.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
+    stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
-        raise common.NothingToTrain(f"the checkpoint is at step {history['steps']}, and this run ends at step "
+        raise common.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
                                     f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
                                     "raise --epochs or --max-steps to train on. No file was changed.")
-    inspection = common.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
+    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
 
     for epoch in range(start_epoch, args.epochs):
         model.train()
@@ -314,20 +315,20 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             next(batches)
         clock.start()
         for input_batch, target_batch in batches:
-            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 2}"
-            off_clock = inspection.off_clock(global_step + 1)  # a profiled step is slower: not timed
+            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 1}"
+            off_clock = inspector.off_clock(global_step + 1)  # a profiled step is slower: not timed
             if off_clock:
                 clock.stop()
             optimizer.zero_grad()
-            with inspection.region("forward with loss"):
+            with inspector.region("forward with loss"):
                 loss = calc_loss_batch(input_batch, target_batch, model, device)
-            with inspection.region("backward"):
-                scaler.scale(loss).backward()  # NEW (step 5): scaled with float16; otherwise loss.backward()
-            with inspection.region("optimizer step"):
-                scaler.step(optimizer)  # NEW (step 5): with float16, a step whose gradients overflowed is skipped
+            with inspector.region("backward"):
+                scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
+            with inspector.region("optimizer step"):
+                scaler.step(optimizer)  # NEW (step 5, float16 only): skips a step whose gradients overflowed
                 scaler.update()
             global_step += 1
-            inspection.step_done(global_step)
+            inspector.step_done(global_step)
             if off_clock:
                 clock.start()
             batches_done += 1
@@ -346,8 +347,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                    if history["timed_seconds"] else None)
                 mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
                 heartbeat.doing = "evaluating"
-                train_loss, val_loss = evaluate_model(model.module.model, train_eval_loader, val_loader, device,  # NEW (DDP)
-                                                      args.eval_iter)  # the model inside the wrapper: no DDP hooks
+                train_loss, val_loss = evaluate_model(model.module.model, train_eval_loader, val_loader,  # NEW (DDP)
+                                                      device, args.eval_iter)
                 check_finite(loss, global_step, train_loss, val_loss)
                 print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
                       f"Step tok/sec: {round(step_tok_per_sec) if step_tok_per_sec else 'n/a'}, Avg tok/sec: "
@@ -367,10 +368,10 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                 check_finite(loss, global_step)
                 history["steps"] = global_step + 1
                 save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
-                                 "history": history, "rng": common.rng_state(device),
-                                 "scaler": scaler.state_dict()})  # NEW (step 5): the loss scale, for --resume
+                                 "history": history, "rng": checkpoints.rng_state(device),
+                                 "scaler": scaler.state_dict()})  # NEW (step 5, float16 only): for --resume
                 if stop_signum:
-                    raise common.Interrupted(stop_signum)
+                    raise common.Interrupted(stop_signum, global_step)
                 clock.start()
             if done:
                 break
@@ -385,7 +386,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         if done:
             break
     history["steps"] = global_step + 1
-    history["profile"] = inspection.finish()
+    history["profile"] = inspector.finish()
     return history
 
 
@@ -403,7 +404,7 @@ def plot_losses(history, path_stem):
     ax2.set_xlabel("Tokens seen")
     fig.tight_layout()
     for suffix in (".pdf", ".png"):  # written atomically, like every output
-        common.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
+        checkpoints.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
     plt.close(fig)
 
 
@@ -420,15 +421,12 @@ def setup_distributed(device_choice):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
     device = common.pick_device(device_choice, distributed=True)
     if device.type == "cuda":
-        per_node, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
-        if per_node > gpus:
-            raise common.UsageError(f"{per_node} processes per node but this node has {gpus} GPU(s): "
-                                    f"use torchrun --nproc_per_node={gpus} (or fewer)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before the process group, so that NCCL uses this GPU
-    # a collective that waits longer than common.COLLECTIVE_TIMEOUT means a lost process: fail instead of hanging
+    # a collective that waits longer than checkpoints.COLLECTIVE_TIMEOUT means a lost process: fail instead of hanging
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            timeout=common.COLLECTIVE_TIMEOUT)
+                            timeout=checkpoints.COLLECTIVE_TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)  # NCCL binds to this GPU at once
     atexit.register(dist.destroy_process_group)  # on every way out, errors included
     return rank, world_size, device
 
@@ -436,16 +434,16 @@ def setup_distributed(device_choice):
 def main():
     parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
-    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)
+    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
     cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
-    settings = {**(TINY_SETTINGS if args.tiny else OTHER_SETTINGS), "num_epochs": args.epochs,
-                "batch_size": args.batch_size, "eval_freq": args.eval_freq, "eval_iter": args.eval_iter,
-                "max_steps": args.max_steps}
+    settings = common.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
     rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
-    # NEW (step 2): TF32 tensor cores for float32 matmuls (Ampere and newer); after step 5, only those outside autocast
-    torch.set_float32_matmul_precision("high" if common.has_tf32(device) else "highest")
+    # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
+    # none). From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
+    torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
     precision, precision_reason = common.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
     heartbeat = common.Heartbeat()
 
@@ -463,8 +461,7 @@ def main():
     if len(train_dataset) < args.batch_size * world_size:  # NEW (DDP): one batch for every process
         raise common.UsageError(
             f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
-            f"fewer than one batch of {args.batch_size} for each of {world_size} processes: "  # NEW (DDP)
-            "use a longer text or a smaller --batch-size")
+            f"fewer than {world_size} batches of {args.batch_size}: use a longer text or smaller batches")  # NEW (DDP)
     if len(val_dataset) == 0:
         raise common.UsageError(
             f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
@@ -472,7 +469,6 @@ def main():
     train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
-    out = common.check_out_dir(args.out)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
           f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens per process, "
           f"global batch {world_size * args.batch_size} sequences")  # NEW (DDP)
@@ -486,26 +482,27 @@ def main():
                                   weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
     # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
     # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (650 MB full size)
-    ddp_model = DDP(ModelWithLoss(model), device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    ddp_model = DDP(ModelWithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
     num_params = sum(p.numel() for p in model.parameters())
     speed = {"context_length": context, "tokens_per_step": args.batch_size * context * world_size,  # NEW (DDP)
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "peak_flops": common.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
+    print(common.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
     print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
     print(common.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
         print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
 
-    settings["seed"] = args.seed
     resume = None
     if args.resume:
-        resume = common.load_checkpoint(args.resume, Path(__file__).name, cfg, speed["tokens_per_step"], args.seed)
+        resume = checkpoints.load_checkpoint(args, speed["tokens_per_step"])  # opened and checked at the start
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
-        common.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout goes on
-        print(f"Resuming {args.resume} at step {resume['step']} (epoch {resume['epoch'] + 1})")
+        checkpoints.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout
+        print(common.resume_line(args, resume))
 
     def save_checkpoint(progress):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
@@ -517,7 +514,7 @@ def main():
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
                       "tokens_per_step": speed["tokens_per_step"], **progress}
-        common.save_torch(checkpoint, out / "model.pth")
+        checkpoints.save_torch(checkpoint, out / "model.pth")
 
     start = time.time()
     try:
@@ -530,7 +527,8 @@ def main():
     # NEW (DDP): the replicas must end identical: compare a checksum of the weights across ranks
     checksums = [None] * world_size
     dist.all_gather_object(checksums, sum(p.detach().double().sum().item() for p in model.parameters()))
-    print(f"Weight checksums of the {world_size} ranks: {'identical' if len(set(checksums)) == 1 else checksums}")
+    if world_size > 1:  # one rank has nothing to compare with
+        print(f"Weight checksums of the {world_size} ranks: {'identical' if len(set(checksums)) == 1 else checksums}")
     if rank != 0:
         return  # NEW (DDP): only rank 0 writes files
 
@@ -550,7 +548,7 @@ def main():
         "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
     }
-    common.write_json(metrics, out / "metrics.json")
+    checkpoints.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
 

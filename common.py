@@ -6,23 +6,16 @@ changes (data loaders, model, loop) stays in the stage scripts themselves.
 """
 
 import argparse
-import contextlib
-import datetime
-import errno
 import functools
-import json
 import os
-import random
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from data import UsageError
-from data import files
 
 __all__ = ["UsageError", "TrainingError"]
 
@@ -44,9 +37,9 @@ class NothingToTrain(Exception):
 class Interrupted(Exception):
     """SIGINT, SIGTERM or SIGHUP arrived; the checkpoint is saved. Exit code 128 + the signal's number."""
 
-    def __init__(self, signum):
+    def __init__(self, signum, step):
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.step = signum, step  # the last step done (0-based, as in the log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,27 +78,49 @@ MODEL_SIZES = {
 
 
 def model_config(args, config, tiny_config):
-    """The model config of this run: --tiny's, or the stage's config at the size --model names."""
-    return dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
+    """The model config of this run: --tiny's, or the stage's config at the size --model names. A checkpoint to
+    resume must hold the same config: checked here, before the corpus is read and the model built."""
+    cfg = dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
+    if args.resume:
+        import checkpoints
+
+        checkpoints.check_config(args.checkpoint, args.resume, cfg)
+    return cfg
+
+
+# Flags that a resumed run takes from its checkpoint unless they are given again: (flag, key in the settings).
+RESUMED_FLAGS = (("epochs", "num_epochs"), ("max_steps", "max_steps"), ("eval_freq", "eval_freq"),
+                 ("eval_iter", "eval_iter"), ("save_every", "save_every"), ("data", "data"),
+                 ("batch_size", "batch_size"), ("seed", "seed"), ("tiny", "tiny"), ("model", "model"))
+# What a flag left unset means when there is no checkpoint to take it from (the rest come from the stage's dicts).
+PLAIN_DEFAULTS = {"save_every": 0, "data": "shakespeare", "seed": 123, "tiny": False, "model": "gpt2-small"}
 
 
 def build_parser(description, settings, tiny_settings):
-    """The flags shared by the three stages; `settings` gives the stage's defaults."""
+    """The flags shared by the three stages; `settings` gives the stage's defaults.
+
+    Flags a resumed run can take from its checkpoint default to None here, so that resolve_settings() can tell
+    a flag given again from one left out.
+    """
+    import inspection
+
     parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                            allow_abbrev=False)  # --max-step must be an error, not --max-steps
     script = Path(sys.argv[0]).stem
+    profiled = inspection.PROFILE_WAIT + inspection.PROFILE_WARMUP  # the first step of the kept trace, from 0
 
     def default(key):
         return f"default: {settings[key]}; {tiny_settings[key]} with --tiny"
 
-    parser.add_argument("--data", default="shakespeare", metavar="NAME_OR_PATH",
-                        help="'shakespeare' (shipped, offline), 'middlemarch' (downloaded once, cached under "
-                             "data/cache/) or the path of a UTF-8 text file (default: shakespeare)")
-    parser.add_argument("--tiny", action="store_true",
+    parser.add_argument("--data", metavar="NAME_OR_PATH",
+                        help="'shakespeare' (shipped, offline), 'middlemarch' (downloaded once and cached) or the "
+                             "path of a UTF-8 text file (default: shakespeare)")
+    parser.add_argument("--tiny", action="store_true", default=None,
                         help="a small model and batch for CPUs and tests: a few dozen steps take seconds")
     parser.add_argument("--epochs", type=_positive_int, help=f"epochs over the training split ({default('num_epochs')})")
     parser.add_argument("--max-steps", type=_non_negative_int,
-                        help=f"stop after this many optimizer steps; 0: no limit ({default('max_steps')})")
+                        help="stop after this many optimizer steps (the log counts steps from 0, so the last is "
+                             f"step N-1); 0: no limit ({default('max_steps')})")
     parser.add_argument("--batch-size", type=_positive_int,
                         help=f"sequences per step and process ({default('batch_size')})")
     parser.add_argument("--eval-freq", type=_positive_int,
@@ -115,47 +130,114 @@ def build_parser(description, settings, tiny_settings):
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
                         help="where to train; auto: CUDA when available, else Apple's MPS, else the CPU "
                              "(default: auto)")
-    parser.add_argument("--model", choices=tuple(MODEL_SIZES), default="gpt2-small",
+    parser.add_argument("--model", choices=tuple(MODEL_SIZES),
                         help="which of the book's GPT-2 sizes to train; --tiny replaces it with a small model "
                              "(default: gpt2-small)")
-    parser.add_argument("--seed", type=int, default=123, help="random seed (default: 123)")
-    parser.add_argument("--out", default=f"runs/{script}",
-                        help=f"folder for metrics.json, loss.pdf/png and model.pth (default: runs/{script})")
-    parser.add_argument("--resume", metavar="PATH", help="continue training from this checkpoint (a model.pth)")
-    parser.add_argument("--save-every", type=_non_negative_int, default=0, metavar="N",
+    parser.add_argument("--seed", type=int, help="random seed (default: 123)")
+    parser.add_argument("--out",
+                        help=f"folder for metrics.json, loss.pdf/png and model.pth (default: runs/{script}; with "
+                             "--resume, the checkpoint's folder)")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="continue the run this checkpoint (a model.pth) came from: in its folder, with its "
+                             "limits and schedule (--epochs, --max-steps, --eval-freq, --eval-iter, --save-every, "
+                             "--data, --batch-size, --seed, --tiny, --model), unless given again")
+    parser.add_argument("--save-every", type=_non_negative_int, metavar="N",
                         help="also write the checkpoint every N steps; 0: only at the end and on an "
                              "interrupt (default: 0)")
     parser.add_argument("--profile", action="store_true",
-                        help=f"profile training steps {PROFILE_WAIT + PROFILE_WARMUP + 1} to "
-                             f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} with torch.profiler (the ones before "
-                             "warm up and compile): a trace under <out>/profile/ and a table of the top operators; "
-                             "those steps are left out of tok/s")
+                        help=f"profile training steps {profiled} to {profiled + inspection.PROFILE_ACTIVE - 1} "
+                             "(counted from 0, as in the log) with torch.profiler, the ones before warm up and "
+                             "compile: a trace under <out>/profile/ and a table of the top operators; those steps "
+                             "are left out of tok/s")
     parser.add_argument("--memory-snapshot", action="store_true",
-                        help=f"CUDA only: record the caching allocator's history over the first {SNAPSHOT_STEPS} "
-                             "steps into <out>/memory_snapshot.pickle (open it on https://pytorch.org/memory_viz)")
+                        help=f"CUDA only: record the caching allocator's history over the first "
+                             f"{inspection.SNAPSHOT_STEPS} steps into <out>/memory_snapshot.pickle (open it on "
+                             "https://pytorch.org/memory_viz); those steps are left out of tok/s")
     return parser
 
 
 def resolve_settings(args, settings, tiny_settings):
-    """Fill the flags left unset from the stage's (or --tiny's) settings dict."""
+    """Fill the flags left unset: from the checkpoint of --resume, else from the stage's (or --tiny's) settings.
+
+    The cheap checks come first, before the corpus is tokenized and the model is built: a missing or unreadable
+    checkpoint, one of another stage, a --data file that cannot be read.
+    """
+    import checkpoints
+    from data.corpus import check_text_source
+
+    args.checkpoint, args.from_checkpoint = None, []
+    if args.resume:
+        args.checkpoint = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name)
+        saved = args.checkpoint["settings"]
+        for flag, key in RESUMED_FLAGS:
+            if getattr(args, flag) is None and key in saved:
+                setattr(args, flag, saved[key])
+                args.from_checkpoint.append(flag)
+        if args.out is None:
+            args.out = str(Path(args.resume).parent)
+            args.from_checkpoint.append("out")
+    for flag, value in PLAIN_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     chosen = tiny_settings if args.tiny else settings
     for flag, key in (("epochs", "num_epochs"), ("batch_size", "batch_size"),
                       ("eval_freq", "eval_freq"), ("eval_iter", "eval_iter"), ("max_steps", "max_steps")):
         if getattr(args, flag) is None:
             setattr(args, flag, chosen[key])
+    if args.out is None:
+        args.out = f"runs/{Path(sys.argv[0]).stem}"
+    check_text_source(args.data)
+    global _continue_command
+    _continue_command = continue_command(args)
     return args
 
 
-def check_out_dir(out):
-    """Fail before any training if the output folder cannot be written."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as err:
-        raise UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
-    return out
+def run_settings(args, settings, tiny_settings):
+    """The settings dict a checkpoint and metrics.json keep: the stage's, with this run's flags in it."""
+    return {**(tiny_settings if args.tiny else settings), "num_epochs": args.epochs, "batch_size": args.batch_size,
+            "eval_freq": args.eval_freq, "eval_iter": args.eval_iter, "max_steps": args.max_steps,
+            "save_every": args.save_every, "seed": args.seed, "data": args.data, "tiny": args.tiny,
+            "model": args.model}
+
+
+def resume_line(args, checkpoint):
+    """The header line of a resumed run: where it continues and which settings came from the checkpoint."""
+    flags = ", ".join(f"--{flag.replace('_', '-')}" + ("" if flag == "tiny" else f" {getattr(args, flag)}")
+                      for flag in args.from_checkpoint if flag != "tiny" or args.tiny)
+    return (f"Resuming {args.resume} after step {checkpoint['step'] - 1:06d} (epoch {checkpoint['epoch'] + 1})"
+            + (f" | from the checkpoint: {flags}" if flags else ""))
+
+
+_continue_command = None  # the command that continues this run, for the message of an interrupt
+
+
+def continue_command(args):
+    """The exact command that continues this run from its checkpoint, to copy and paste after an interrupt.
+
+    Flags kept in the checkpoint (and --out, implied by the checkpoint's path) are left out: --resume brings
+    them back. Under torchrun the command is torchrun's, with the processes of this launch.
+    """
+    import shlex
+
+    kept = {flag for flag, _ in RESUMED_FLAGS} | {"out", "resume", "profile", "memory_snapshot"}
+    given, words = [], sys.argv[1:]
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name = word.split("=", 1)[0]
+        takes_value = name not in ("--tiny", "--profile", "--memory-snapshot", "--no-compile",
+                                   "--activation-checkpointing") and "=" not in word
+        if name.startswith("--") and name[2:].replace("-", "_") not in kept:
+            given += words[i:i + 2] if takes_value else [word]
+        i += 2 if takes_value and name.startswith("--") else 1
+    script = ["python", sys.argv[0]]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # started by torchrun
+        nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+        script = ["torchrun", *(["--standalone"] if nodes == 1 else [f"--nnodes={nodes}", "--node_rank=<this node>",
+                                                                       f"--master_addr={os.environ['MASTER_ADDR']}",
+                                                                       f"--master_port={os.environ['MASTER_PORT']}"]),
+                  f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}", sys.argv[0]]
+    return shlex.join([*script, *given, "--resume", str(Path(args.out) / "model.pth")])
 
 
 def pick_device(choice, distributed=False):
@@ -185,7 +267,38 @@ def pick_device(choice, distributed=False):
             choice = "cpu"
         else:
             choice = "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(choice)
+    device = torch.device(choice)
+    if device.type == "cuda" and distributed:
+        per_node, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+        if per_node > gpus:
+            raise UsageError(f"{per_node} processes per node but this node has {gpus} GPU(s): "
+                             f"use torchrun --nproc_per_node={gpus} (or fewer)")
+    if device.type == "cuda":
+        check_cuda_build(torch.cuda.get_device_capability(), torch.cuda.get_arch_list(), torch.__version__,
+                         torch.cuda.get_device_name())
+    return device
+
+
+def check_cuda_build(capability, arch_list, torch_version, gpu_name):
+    """Refuse (exit code 2) a GPU that this PyTorch build has no kernels for, instead of failing at the first kernel.
+
+    A build holds machine code for some architectures (sm_XY: runs on compute capability X.Y' with Y' >= Y) and
+    PTX for others (compute_XY: compiled on the fly for X.Y and newer). The CUDA 13 wheels, for one, leave out
+    sm_70 (V100): such a GPU needs a build for an older CUDA.
+    """
+    major, minor = capability
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        if not number.isdigit():
+            continue
+        arch_major, arch_minor = int(number[:-1]), int(number[-1])
+        if kind == "sm" and arch_major == major and arch_minor <= minor:
+            return
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
+            return
+    raise UsageError(f"PyTorch {torch_version} has no kernels for the {gpu_name} (sm_{major}{minor}; this build "
+                     f"covers {' '.join(arch_list) or 'no GPU'}): install a build that includes sm_{major}{minor}, "
+                     "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126")
 
 
 def free_port():
@@ -292,35 +405,51 @@ def apply_fallbacks(device):
 # Throughput and MFU
 # ---------------------------------------------------------------------------------------------
 
-# Dense (no sparsity) peak TFLOP/s per GPU as (bf16, fp16, tf32, fp32) from NVIDIA's data sheets and architecture
-# whitepapers (the README's "Reading the log" lists them with their sources); None where the GPU has no such
-# tensor-core format. bf16 and fp16 are with float32 accumulation, as autocast's matmuls run (half rate on GeForce
-# cards). Sheets that quote figures "with sparsity" are halved. More specific names first: "H100 NVL" before
-# "H100", "A100" before "A10".
+# One row per GPU: (name pattern, dense peak TFLOP/s as (bf16, fp16, tf32, fp32), memory bandwidth in GB/s).
+# Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (the README's "Reading the log" lists
+# them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
+# accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures "with sparsity"
+# are halved. Bandwidth (bench/roofline.py) is the HBM or GDDR figure of the same sheets: A100 data sheet (80 GB
+# SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35 TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100),
+# H200 and H200 NVL (4.8 TB/s), HGX B200 and GB200 NVL72 (8 TB/s per GPU), L40S 864, A10 600, L4 300, RTX A6000
+# 768, GeForce RTX 4090 / 4080 / 3090 specifications (1,008 / 716.8 / 936), V100 900 (V100S 1,134), T4 320.
+# More specific names first: "H100 NVL" before "H100", "A100" before "A10"; "A100" alone is the SXM 80 GB part.
 PEAK_TFLOPS = (
-    (r"GB200", (2500.0, 2500.0, 1250.0, 80.0)),       # per Blackwell GPU (a superchip holds two)
-    (r"B200", (2250.0, 2250.0, 1100.0, 75.0)),        # HGX B200, per GPU
-    (r"H200 NVL", (835.5, 835.5, 417.5, 60.3)),
-    (r"H200", (989.4, 989.4, 494.7, 66.9)),
-    (r"H100 NVL", (835.5, 835.5, 417.5, 60.3)),
-    (r"H100 PCIe", (756.5, 756.5, 378.0, 51.2)),
-    (r"H100", (989.4, 989.4, 494.7, 66.9)),           # SXM
-    (r"H800 PCIe", (756.5, 756.5, 378.0, 51.2)),
-    (r"H800", (989.4, 989.4, 494.7, 66.9)),           # SXM
-    (r"A100", (312.0, 312.0, 156.0, 19.5)),
-    (r"L40S", (362.05, 362.05, 183.0, 91.6)),
-    (r"A10\b", (125.0, 125.0, 62.5, 31.2)),
-    (r"L4\b", (121.0, 121.0, 60.0, 30.3)),
-    (r"RTX A6000", (154.8, 154.8, 77.4, 38.7)),
-    (r"RTX 4090", (165.2, 165.2, 82.6, 82.6)),
-    (r"RTX 4080", (97.5, 97.5, 48.7, 48.7)),          # the 16 GB card
-    (r"RTX 3090", (71.0, 71.0, 35.6, 35.6)),
-    (r"V100S", (None, 130.0, None, 16.4)),
-    (r"V100.*PCIE", (None, 112.0, None, 14.0)),
-    (r"V100", (None, 125.0, None, 15.7)),            # SXM2
-    (r"\bT4\b", (None, 65.0, None, 8.1)),
+    (r"GB200", (2500.0, 2500.0, 1250.0, 80.0), 8000),       # per Blackwell GPU (a superchip holds two)
+    (r"B200", (2250.0, 2250.0, 1100.0, 75.0), 8000),        # HGX B200, per GPU
+    (r"H200 NVL", (835.5, 835.5, 417.5, 60.3), 4800),
+    (r"H200", (989.4, 989.4, 494.7, 66.9), 4800),
+    (r"H100 NVL", (835.5, 835.5, 417.5, 60.3), 3900),
+    (r"H100 PCIe", (756.5, 756.5, 378.0, 51.2), 2000),
+    (r"H100", (989.4, 989.4, 494.7, 66.9), 3350),           # SXM
+    (r"H800 PCIe", (756.5, 756.5, 378.0, 51.2), 2000),
+    (r"H800", (989.4, 989.4, 494.7, 66.9), 3350),           # SXM
+    (r"A100.*(PCIe.*\b40 ?GB|\b40 ?GB.*PCIe)", (312.0, 312.0, 156.0, 19.5), 1555),
+    (r"A100.*PCIe", (312.0, 312.0, 156.0, 19.5), 1935),     # 80 GB PCIe
+    (r"A100.*\b40 ?GB", (312.0, 312.0, 156.0, 19.5), 1555),  # 40 GB SXM4
+    (r"A100", (312.0, 312.0, 156.0, 19.5), 2039),           # 80 GB SXM4
+    (r"L40S", (362.05, 362.05, 183.0, 91.6), 864),
+    (r"A10\b", (125.0, 125.0, 62.5, 31.2), 600),
+    (r"L4\b", (121.0, 121.0, 60.0, 30.3), 300),
+    (r"RTX A6000", (154.8, 154.8, 77.4, 38.7), 768),
+    (r"RTX 4090", (165.2, 165.2, 82.6, 82.6), 1008),
+    (r"RTX 4080", (97.5, 97.5, 48.7, 48.7), 716.8),         # the 16 GB card
+    (r"RTX 3090", (71.0, 71.0, 35.6, 35.6), 936),
+    (r"V100S", (None, 130.0, None, 16.4), 1134),
+    (r"V100.*PCIE", (None, 112.0, None, 14.0), 900),
+    (r"V100", (None, 125.0, None, 15.7), 900),             # SXM2
+    (r"\bT4\b", (None, 65.0, None, 8.1), 320),
 )
 PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+
+
+def gpu_peaks(name):
+    """The first row of PEAK_TFLOPS that a GPU name matches (CUDA's name, or one typed like "A100 PCIe"), as
+    (TFLOP/s in the order of PRECISIONS, memory bandwidth in GB/s); None for a GPU not in the table."""
+    for pattern, peaks, bandwidth in PEAK_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return peaks, bandwidth
+    return None
 
 
 def _peak_tflops(device, precision):
@@ -332,10 +461,13 @@ def _peak_tflops(device, precision):
     if device.type == "mps":
         return None, "Apple does not publish a dense peak for its GPUs"
     name = torch.cuda.get_device_name(device)
-    for pattern, peaks in PEAK_TFLOPS:
-        if re.search(pattern, name, re.IGNORECASE):
-            tflops = peaks[PRECISIONS.index(precision)]
-            return tflops, None if tflops else f"the {name} has no {precision} peak in the table"
+    if re.search(r"\bMIG\b", name):  # e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb": a slice, not the whole GPU
+        return None, (f"the {name} is a MIG slice with a fraction of the GPU's compute, and NVIDIA publishes no "
+                      "peak per slice: the whole GPU's peak would understate MFU")
+    row = gpu_peaks(name)
+    if row is not None:
+        tflops = row[0][PRECISIONS.index(precision)]
+        return tflops, None if tflops else f"the {name} has no {precision} peak in the table"
     return None, f"the {name} is not in the peak table (common.PEAK_TFLOPS): add its data-sheet figures"
 
 
@@ -364,6 +496,22 @@ def flops_per_token(cfg, vocab_size):
     d, layers, context = cfg["emb_dim"], cfg["n_layers"], cfg["context_length"]
     matmul_weights = layers * (4 * d * d + 8 * d * d) + d * vocab_size
     return 6 * matmul_weights + 12 * layers * d * context
+
+
+def memory_line(num_params, cfg, batch_size, precision, flash_attention):
+    """The header's estimate of what training needs in GPU memory, before anything is allocated.
+
+    States: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter (Rajbhandari et al.
+    2019). Activations saved for backward: about 34 x width bytes per token and layer in 16-bit, plus 5 x heads x
+    context bytes for the attention scores where attention is not fused (Korthikanti et al. 2022), twice that in
+    float32; plus the logits and their gradient. An estimate: the allocator's own figures come after an epoch.
+    """
+    tokens = batch_size * cfg["context_length"]
+    half = 1 if precision in ("bf16", "fp16") else 2  # activations in 16-bit, or float32
+    per_token_and_layer = 34 * cfg["emb_dim"] + (0 if flash_attention else 5 * cfg["n_heads"] * cfg["context_length"])
+    activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + cfg["vocab_size"] * 4 * half)
+    return (f"Memory (estimate): weights, gradients and AdamW state {16 * num_params / 1e9:.1f} GB (16 bytes per "
+            f"parameter) + activations {activations / 1e9:.1f} GB at batch {batch_size} x {cfg['context_length']}")
 
 
 def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
@@ -464,103 +612,6 @@ def cpu_speed_note(flops_per_step, steps_per_epoch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Looking inside a run: --profile and --memory-snapshot
-# ---------------------------------------------------------------------------------------------
-
-PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profiler's schedule, from the run's start
-SNAPSHOT_STEPS = 3  # steps of allocator history in a memory snapshot
-
-
-class RunInspection:
-    """--profile and --memory-snapshot, the same in every stage; both off: it does nothing.
-
-    --profile follows torch.profiler's schedule: PROFILE_WAIT steps not recorded (the first compiles),
-    PROFILE_WARMUP recorded and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps
-    run off the training clock (profiling slows them), and the stage labels the regions of each step with
-    region(). --memory-snapshot records the CUDA caching allocator's history over the first SNAPSHOT_STEPS
-    steps. In a distributed run only rank 0 profiles and writes.
-    """
-
-    def __init__(self, args, device, first_step, total_steps):
-        import torch
-        import torch.distributed as dist
-
-        self.torch = torch
-        self.out = Path(args.out)
-        self.cuda = device.type == "cuda"
-        self.first_step = first_step
-        self.report = None
-        if args.memory_snapshot and not self.cuda:
-            raise UsageError("--memory-snapshot records the CUDA caching allocator: it needs a GPU (--device cuda)")
-        profiled_last = first_step + PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
-        if args.profile and total_steps < profiled_last:
-            raise UsageError(f"--profile records steps {first_step + PROFILE_WAIT + PROFILE_WARMUP + 1} to "
-                             f"{profiled_last} of this run, but it ends at step {total_steps}: use --max-steps "
-                             f"{profiled_last} or more (or 0)")
-        is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
-        self.profiler = self.snapshot = None
-        if args.profile and is_writer:
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                                   if self.cuda else [])
-            self.profiler = torch.profiler.profile(
-                activities=activities, on_trace_ready=self._write_trace,
-                schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE,
-                                                 repeat=1))
-            self.profiler.start()
-            self.profiled_steps = range(first_step + PROFILE_WAIT, profiled_last)  # warm-up and active: off the clock
-        if args.memory_snapshot and is_writer:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-            torch.cuda.reset_peak_memory_stats(device)
-            self.snapshot = device
-
-    def off_clock(self, step):
-        """Whether step `step` (0-based) is profiled, and so left off the training clock."""
-        return self.profiler is not None and step in self.profiled_steps
-
-    def region(self, name):
-        """A labelled region of a step in the trace (nothing at all when not profiling)."""
-        if self.profiler is None:
-            return contextlib.nullcontext()
-        return self.torch.profiler.record_function(name)
-
-    def step_done(self, step):
-        """Call after each training step (`step`, 0-based, the one just done)."""
-        if self.profiler is not None:
-            self.profiler.step()
-            if step + 1 >= self.profiled_steps.stop:
-                self.profiler.stop()
-                self.profiler = None
-        if self.snapshot is not None and step + 1 - self.first_step >= SNAPSHOT_STEPS:
-            self._write_snapshot()
-
-    def _write_trace(self, prof):
-        path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
-        save_atomically(lambda tmp: prof.export_chrome_trace(tmp), path)
-        sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        steps = f"{self.profiled_steps.start + PROFILE_WARMUP + 1}-{self.profiled_steps.stop}"
-        self.report = (f"Profile of steps {steps} ({'CUDA' if self.cuda else 'CPU'} time; these steps are not in "
-                       f"tok/s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)\n"
-                       + prof.key_averages().table(sort_by=sort_by, row_limit=15))
-
-    def _write_snapshot(self):
-        torch, device = self.torch, self.snapshot
-        torch.cuda.synchronize(device)
-        path = self.out / "memory_snapshot.pickle"
-        save_atomically(lambda tmp: torch.cuda.memory._dump_snapshot(tmp), path)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.snapshot = None
-        print(f"Memory snapshot of the first {SNAPSHOT_STEPS} steps: {path} (drop it on https://pytorch.org/memory_viz)"
-              f" | peak over them: {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB allocated, "
-              f"{torch.cuda.max_memory_reserved(device) / 1024**3:.2f} GiB reserved", flush=True)
-
-    def finish(self):
-        """At the end of training: print the profile's table of top operators (if one was taken)."""
-        if self.report:
-            print(self.report, flush=True)
-        return None if self.report is None else str(self.out / "profile")
-
-
-# ---------------------------------------------------------------------------------------------
 # Heartbeat: a line every ~10 s while nothing else is printed (CPU steps, compilation, evaluation)
 # ---------------------------------------------------------------------------------------------
 
@@ -587,7 +638,21 @@ class Heartbeat:
             sys.stdout = _TimedStdout(sys.stdout)
         self._stdout = sys.stdout
         self._started = time.monotonic()
+        self.compiling = False
+        if "torch._dynamo" in sys.modules:  # a stage that compiles (01 on): say so while torch.compile works
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(lambda *_: setattr(self, "compiling", True))
+            callback_handler.register_end_callback(lambda *_: setattr(self, "compiling", False))
         threading.Thread(target=self._run, daemon=True).start()
+
+    def describe(self):
+        """What the run is doing now, e.g. "compiling the training graph (torch.compile): epoch 1, step 0"."""
+        if not self.compiling:
+            return self.doing
+        graph = ("training graph" if self.doing.startswith("training") else
+                 "evaluation graph" if self.doing.startswith("evaluating") else "graph")
+        return f"compiling the {graph} (torch.compile): {self.doing}"
 
     def _run(self):
         while True:
@@ -595,123 +660,15 @@ class Heartbeat:
             quiet = time.monotonic() - self._stdout.last_write
             if quiet >= self.every_s:
                 elapsed = time.monotonic() - self._started
-                print(f"  ... {self.doing} ({elapsed:.0f} s since start)", flush=True)
+                print(f"  ... {self.describe()} ({elapsed:.0f} s since start)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints, interrupts and failures
+# Failures
 # ---------------------------------------------------------------------------------------------
 
-# How long a collective may wait in 02 before the job is declared broken (a lost process): NCCL's own default.
-# It has to cover the longest wait of a healthy run: rank 0 writing a checkpoint (about 2 GB at full size: this
-# allows a disk down to about 3.3 MB/s) while the others wait in their next gradient all-reduce, or one rank compiling
-# slower than the rest. On one node a lost process ends the job at once (torchrun stops the other workers);
-# across nodes, within this timeout.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class StopSignal:
-    """The first SIGINT/SIGTERM/SIGHUP asks the loop to finish its step, save and exit; a second SIGINT quits at
-    once (a checkpoint being written then is left out: the previous one stays whole, see files.save_atomically).
-    SIGHUP is what a closing terminal sends to a run started without nohup or tmux.
-
-    In a distributed run every rank must stop after the same step (a rank that went on would wait forever
-    in the next gradient all-reduce). The ranks agree through a small CPU (gloo) group, one step behind and
-    without blocking: after each step a rank starts an all-reduce of its flag and collects the previous
-    step's result, which completed while that step ran. So all ranks see a signal at the same step, one
-    step after it arrived, and no rank waits here for the others to reach the same point.
-    """
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.signum = None
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, self._handle)
-        self._group = self._pending = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # every rank builds its StopSignal at the same point; the timeout is the training group's
-            self._group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving the checkpoint "
-              "(Ctrl-C again quits at once, without saving)", file=sys.stderr, flush=True)
-
-    def requested(self):
-        """The signal to stop for (0: none), the same on every rank; called by every rank after every step."""
-        if self._group is None:
-            return self.signum or 0
-        import torch
-        import torch.distributed as dist
-
-        agreed = 0
-        if self._pending is not None:  # the all-reduce started after the previous step: complete by now
-            work, flag = self._pending
-            work.wait()
-            agreed = int(flag.item())
-        flag = torch.tensor([self.signum or 0])
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
-        return agreed
-
-
-def rng_state(device):
-    import torch
-
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-            "mps": torch.mps.get_rng_state() if device.type == "mps" else None}
-
-
-def restore_rng(state, device):
-    import torch
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    if device.type == "mps" and state.get("mps") is not None:
-        torch.mps.set_rng_state(state["mps"])
-
-
-CHECKPOINT_KEYS = ("model", "optimizer", "config", "settings", "script", "epoch", "batches_done", "step",
-                   "history", "rng", "tokens_per_step")
-
-
-def load_checkpoint(path, script, cfg, tokens_per_step, seed):
-    """Read a checkpoint for --resume, refusing (exit code 2) one that this run cannot continue."""
-    import torch
-
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--resume {path}: no such checkpoint file (a run writes <out>/model.pth)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, not a torch file, unpickling refused...
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(err).__name__}); the file is "
-                         "truncated or corrupt: use an intact model.pth") from None
-    if not isinstance(checkpoint, dict) or any(key not in checkpoint for key in CHECKPOINT_KEYS):
-        raise UsageError(f"--resume {path}: not a checkpoint of these scripts (keys missing)")
-    if checkpoint["script"] != script:
-        raise UsageError(f"--resume {path}: written by {checkpoint['script']}, not {script}: "
-                         f"resume it with {checkpoint['script']}")
-    for key, value in cfg.items():
-        if checkpoint["config"].get(key) != value:
-            raise UsageError(f"--resume {path}: model {key} is {checkpoint['config'].get(key)} in the checkpoint "
-                             f"but {value} here (--tiny on one side only?)")
-    if checkpoint["tokens_per_step"] != tokens_per_step:
-        raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']} tokens per step, "
-                         f"this run {tokens_per_step}: use the same --batch-size and number of processes")
-    if checkpoint["settings"].get("seed") != seed:
-        raise UsageError(f"--resume {path}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
-                         "pass the same seed, so the batch order continues")
-    return checkpoint
-
-
-def out_of_memory(device, batch_size, context_length):
-    """The message for CUDA running out of memory: what failed, what was in use, what to try next."""
+def out_of_memory(device, batch_size, context_length, script=None):
+    """The message for CUDA running out of memory: what failed, what was in use, and the levers that exist."""
     import torch
 
     in_use = ""
@@ -719,62 +676,20 @@ def out_of_memory(device, batch_size, context_length):
         total = torch.cuda.get_device_properties(device).total_memory
         in_use = (f" ({torch.cuda.memory_allocated(device) / 1024**3:.1f} GiB allocated, "
                   f"{torch.cuda.memory_reserved(device) / 1024**3:.1f} GiB reserved of {total / 1024**3:.1f} GiB)")
-    hint = (f"try --batch-size {batch_size // 2}" if batch_size > 1
-            else "even one sequence does not fit: use a smaller model or a larger GPU")
-    return TrainingError(f"out of GPU memory with a batch of {batch_size} x {context_length} tokens{in_use}: {hint}")
+    script = Path(script or sys.argv[0]).name
+    levers = [f"a smaller --batch-size ({batch_size // 2})"] if batch_size > 1 else []
+    if script.startswith("03"):
+        levers += ["--activation-checkpointing", "more GPUs (torchrun --nproc_per_node=N, more nodes)"]
+    else:
+        levers += ["a smaller --model", "03_opt_multi_gpu_fsdp.py with --activation-checkpointing or more GPUs "
+                   "(it shards the weights, gradients and optimizer state)"]
+    return TrainingError(f"out of GPU memory with a batch of {batch_size} x {context_length} tokens{in_use}; "
+                         f"levers: {'; '.join(levers)}")
 
 
 # ---------------------------------------------------------------------------------------------
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
-
-# What to do when an output cannot be written, by the OS error's number.
-_WRITE_FAILURE_HINTS = {
-    errno.ENOSPC: "free some disk space",
-    errno.EDQUOT: "free some space within your disk quota",
-    errno.EROFS: "the file system is read-only: choose another --out",
-    errno.EACCES: "make the folder writable again or choose another --out",
-    errno.EPERM: "make the folder writable again or choose another --out",
-    errno.ENOENT: "the folder was removed while the run went on: create it again or choose another --out",
-}
-
-
-def save_atomically(save, path):
-    """files.save_atomically, with an OS error turned into an OutputError: one line naming the file and the
-    error. The previous file stays whole and no temporary file is left (files.save_atomically sees to both)."""
-    try:
-        files.save_atomically(save, path)
-    except OSError as err:
-        hint = _WRITE_FAILURE_HINTS.get(err.errno, "fix the cause or choose another --out")
-        checkpoint = Path(path).parent / "model.pth"
-        resume = f", then go on with --resume {checkpoint}" if checkpoint.exists() else ""
-        reason = err.strerror or str(err) or type(err).__name__
-        raise OutputError(f"cannot write {path}: {reason} (errno {err.errno}); the previous file, if any, is "
-                          f"kept: {hint}{resume}") from None
-
-
-def save_torch(obj, path):
-    """torch.save, atomically. Through a Python file object, so that a full disk raises a real OSError
-    (torch.save to a path reports it as an unspecific RuntimeError)."""
-    import torch
-
-    def save(tmp):
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-    save_atomically(save, path)
-
-
-def write_json(obj, path):
-    def save(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=False, default=_json_default)
-            f.write("\n")
-    save_atomically(save, path)
-
-
-def _json_default(value):
-    raise TypeError(f"not JSON serializable: {value!r}")
-
 
 def _lost_a_peer(err):
     """Whether `err` is a collective failing because another process of a distributed job is gone."""
@@ -788,7 +703,7 @@ def _lost_a_peer(err):
 
 
 def run(main):
-    """Run a stage's main() and turn its failures into the exit codes of SPEC.md."""
+    """Run a stage's main() and turn its failures into the exit codes the README lists (section "Exit codes")."""
     try:
         main()
     except UsageError as err:
@@ -804,7 +719,9 @@ def run(main):
         print(f"training failed: {err}", file=sys.stderr)
         return EXIT_FAILED
     except Interrupted as err:
-        print(f"stopped by {err}; the checkpoint is saved: add --resume <out>/model.pth to go on", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # in 02 every rank stops: one message for the job
+            print(f"stopped by {err} after step {err.step:06d}; the checkpoint is saved and whole. To go on:\n"
+                  f"  {_continue_command}", file=sys.stderr)
         return 128 + err.signum
     except KeyboardInterrupt:
         print("interrupted at once: the last saved checkpoint (if any) is intact", file=sys.stderr)

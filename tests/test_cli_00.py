@@ -12,7 +12,7 @@ LOG_LINE = re.compile(r"^Ep \d+, Step \d{6}, Train: \d+\.\d{3}, Val: \d+\.\d{3},
                       r"Avg tok/sec: (\d+|n/a)")
 FLAGS = ("--data", "--tiny", "--epochs", "--max-steps", "--batch-size", "--eval-freq", "--eval-iter",
          "--device", "--seed", "--out", "--resume", "--save-every", "--profile", "--memory-snapshot")
-OUTPUTS = ("metrics.json", "loss.pdf", "loss.png", "model.pth")
+OUTPUTS = ("metrics.json", "loss.pdf", "loss.png", "model.pth", ".run.lock")  # the lock: see checkpoints.py
 
 
 def test_tiny_run_end_to_end(stage00, small_text, tmp_path):
@@ -191,5 +191,6 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, small_text, tokenizer):
     assert expect in err, err
     assert not re.search(r"^Ep \d", result.stdout, re.MULTILINE), "it trained"
     assert sentinel.read_bytes() == b"an earlier run's checkpoint"
-    assert sorted(p.name for p in out.iterdir()) == ["model.pth"], "files were written into --out"
+    written = sorted(p.name for p in out.iterdir() if p.name != ".run.lock")  # the lock file holds no output
+    assert written == ["model.pth"], "files were written into --out"
     assert blocker.read_text(encoding="utf-8") == "a file, not a folder\n"

@@ -9,11 +9,13 @@ import sys
 import pytest
 
 import common
+import inspection
 from conftest import ROOT, load_stage, run_script
 
 REGIONS = ("forward with loss", "backward", "optimizer step")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-PROFILED = range(common.PROFILE_WAIT, common.PROFILE_WAIT + common.PROFILE_WARMUP + common.PROFILE_ACTIVE)
+PROFILED = range(inspection.PROFILE_WAIT,
+                 inspection.PROFILE_WAIT + inspection.PROFILE_WARMUP + inspection.PROFILE_ACTIVE)
 
 
 @pytest.mark.parametrize("script", ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py"))
@@ -33,10 +35,16 @@ def test_profile_writes_a_trace_with_the_labelled_regions_and_keeps_those_steps_
     events = json.loads(traces[0].read_text())["traceEvents"]  # the Chrome trace format (Perfetto, TensorBoard)
     names = [event.get("name") for event in events]
     for region in REGIONS:  # each labelled once per recorded step
-        assert names.count(region) == common.PROFILE_ACTIVE, (region, names.count(region))
+        assert names.count(region) == inspection.PROFILE_ACTIVE, (region, names.count(region))
+    # the trace's step labels use the log's numbers (from 0), the numbers the table's title gives
+    assert sorted({name for name in names if name and name.startswith("ProfilerStep#")}) == [
+        "ProfilerStep#6", "ProfilerStep#7", "ProfilerStep#8"]
+    table = result.stdout[result.stdout.index("Profile of steps"):]
+    labelled_rows = [line for line in table.splitlines() if line.strip().startswith((*REGIONS, "ProfilerStep#"))]
+    assert not labelled_rows, labelled_rows  # the table ranks kernels and operators, not our labels
 
     # the table of top operators, once, by CPU time here
-    assert result.stdout.count("Profile of steps 7-9 (CPU time") == 1, result.stdout[-3000:]
+    assert result.stdout.count("Profile of steps 6-8 (CPU time") == 1, result.stdout[-3000:]  # numbered as the log
     assert "Self CPU time total" in result.stdout
 
     metrics = json.loads((out / "metrics.json").read_text())

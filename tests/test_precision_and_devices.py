@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch._dynamo  # imported before any test fakes torch.cuda functions (its import walks them)
 
+import checkpoints
 import common
 from conftest import logged_losses, run_script, run_with_fault
 
@@ -225,9 +226,9 @@ def test_the_checkpoint_keeps_the_apple_gpus_random_state(monkeypatch):
     restored = []
     monkeypatch.setattr(torch.mps, "get_rng_state", lambda: state)
     monkeypatch.setattr(torch.mps, "set_rng_state", restored.append)
-    saved = common.rng_state(torch.device("mps"))
+    saved = checkpoints.rng_state(torch.device("mps"))
     assert saved["mps"] is state
-    common.restore_rng(saved, torch.device("mps"))
+    checkpoints.restore_rng(saved, torch.device("mps"))
     assert restored == [state]
 
 
@@ -279,3 +280,37 @@ def test_mfu_is_n_a_with_the_reason_where_the_peak_is_unknown(monkeypatch, devic
     assert common.mfu(1e6, 1e9, common.peak_flops(device, "bf16")) is None
     line = common.mfu_line(device, "bf16")
     assert line.startswith("MFU: n/a: ") and reason in line
+
+
+def test_a_mig_slice_gets_no_peak_and_says_why(monkeypatch):
+    device = fake_gpu(monkeypatch, name="NVIDIA H100 80GB HBM3 MIG 3g.40gb")
+    assert common.peak_flops(device, "bf16") is None  # the whole H100's 989 TFLOP/s would be a wrong MFU
+    line = common.mfu_line(device, "bf16")
+    assert line.startswith("MFU: n/a: ") and "MIG slice" in line, line
+
+
+@pytest.mark.parametrize("capability, arch_list, runs", [
+    ((7, 0), ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"], False),  # a V100 on a CUDA 13 wheel
+    ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_90"], True),      # on a CUDA 12.6 wheel
+    ((8, 9), ["sm_80", "sm_86", "sm_90"], True),   # sm_86 code runs on 8.9 (same major, lower minor)
+    ((9, 0), ["sm_80", "sm_86", "compute_86"], True),  # no sm_90, but PTX for 8.6 compiles for 9.0
+    ((8, 0), ["sm_86", "sm_90"], False),           # code for a newer minor does not run on an older one
+])
+def test_a_gpu_the_build_has_no_kernels_for_is_refused_with_one_line(capability, arch_list, runs):
+    def check():
+        common.check_cuda_build(capability, arch_list, "2.11.0+cu130", "Tesla V100-SXM2-16GB")
+    if runs:
+        check()
+        return
+    with pytest.raises(common.UsageError) as err:
+        check()
+    message = str(err.value)
+    assert "\n" not in message and f"sm_{capability[0]}{capability[1]}" in message and "pip install" in message
+
+
+def test_pick_device_checks_the_build_for_the_gpu(monkeypatch):
+    fake_gpu(monkeypatch, capability=(7, 0), name="Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
+    with pytest.raises(common.UsageError, match="no kernels for the Tesla V100"):
+        common.pick_device("auto")

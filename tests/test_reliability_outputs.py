@@ -4,7 +4,9 @@ Every case runs through the real entry points of the three stages (02 under torc
 faults in the file writes come from tests/faulty_writes.py, which runs a stage with one write made to fail.
 """
 
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -84,7 +86,7 @@ def test_resume_at_or_past_the_limit_trains_nothing(script, short_text, tmp_path
         again = run(launch(script, *common_flags, *limits, "--resume", checkpoint))
         assert again.returncode == 0, again.stderr[-3000:]
         said = [line for line in again.stdout.splitlines() if line.startswith("Nothing left to train")]
-        assert len(said) == 1 and f"step {steps_per_epoch}" in said[0], again.stdout
+        assert len(said) == 1 and f"has done {steps_per_epoch} steps" in said[0], again.stdout
         assert not [line for line in again.stdout.splitlines() if line.startswith("Ep ")]  # no step trained
         assert not our_tracebacks(again.stderr, script)
         assert snapshot(out) == before, limits  # the earlier outputs, byte for byte and untouched
@@ -167,10 +169,13 @@ def test_a_second_ctrl_c_while_saving_leaves_the_previous_checkpoint_whole(scrip
 
 
 @pytest.mark.parametrize("script", STAGES)
-def test_sighup_saves_and_exits_129(script, small_text, tmp_path):
-    """A closing terminal sends SIGHUP: finish the step, save, exit 128 + 1 (torchrun forwards it to 02)."""
+def test_sighup_saves_and_the_printed_command_alone_finishes_the_run(script, small_text, tmp_path):
+    """A closing terminal sends SIGHUP: finish the step, save, exit 128 + 1 (torchrun forwards it to 02). The
+    message ends with the command that continues the run; run as printed, it finishes at the interrupted run's
+    --max-steps, in the interrupted run's folder."""
     out = tmp_path / "run"
-    command = launch(script, "--data", small_text, "--out", out, "--epochs", 50, "--eval-freq", 3)
+    command = launch(script, "--data", small_text, "--out", out, "--epochs", 50, "--max-steps", 12,
+                     "--eval-freq", 3)
     proc = subprocess.Popen(command, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert wait_for_line(proc.stdout, lambda line: line.startswith("Ep 1, Step 000003"), time.monotonic() + 120)
@@ -179,10 +184,24 @@ def test_sighup_saves_and_exits_129(script, small_text, tmp_path):
     finally:
         proc.kill()
     assert not our_tracebacks(stderr, script), stderr[-3000:]
-    if script.startswith("02"):
-        assert proc.returncode != 0 and stderr.count("stopped by SIGHUP; the checkpoint is saved") == 2, stderr
+    if script.startswith("02"):  # one message for the job, from rank 0; torchrun reports the signal after it
+        assert proc.returncode != 0 and stderr.count("stopped by SIGHUP after step") == 1, stderr[-3000:]
     else:
         assert proc.returncode == 129, stderr[-3000:]
-        assert "stopped by SIGHUP" in stderr
-    assert torch.load(out / "model.pth", weights_only=True)["step"] >= 4
+        assert "stopped by SIGHUP after step" in stderr
+    stopped_at = torch.load(out / "model.pth", weights_only=True)["step"]
+    assert 4 <= stopped_at < 12
     assert not leftover_temporaries(out)
+
+    lines = stderr.splitlines()
+    printed = shlex.split(lines[lines.index(next(line for line in lines if line.endswith("To go on:"))) + 1])
+    launcher = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+    assert printed[0] in launcher and script in printed and printed[-2:] == ["--resume", str(out / "model.pth")]
+    if script.startswith("02"):
+        assert "--nproc_per_node=2" in printed
+    resumed = run([*launcher[printed[0]], *printed[1:]])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "from the checkpoint: " in resumed.stdout and "--max-steps 12" in resumed.stdout  # the header says so
+    assert torch.load(out / "model.pth", weights_only=True)["step"] == 12  # the interrupted run's own limit
+    metrics = json.loads((out / "metrics.json").read_text())  # written into the interrupted run's folder
+    assert metrics["steps"] == 12 and metrics["log"][-1]["step"] == 11

@@ -233,13 +233,14 @@ STOP_WORKER = textwrap.dedent("""
     import torch.distributed as dist
 
     sys.path.insert(0, {root!r})
+    import checkpoints
     import common
 
     if __name__ == "__main__":
         path = sys.argv[1]
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-        stop = common.StopSignal()
+        stop = checkpoints.StopSignal()
         seconds, agreed = [], []
         for step in range(8):
             if rank == 1 and step == 1:
@@ -275,7 +276,7 @@ def test_stage02_stop_flag_never_blocks_a_step_and_the_ranks_agree(tmp_path):
 
 
 def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatch):
-    import common
+    import checkpoints
 
     stage = load_stage("02_opt_multi_gpu_ddp.py")
     seen = {}
@@ -287,7 +288,7 @@ def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatc
         monkeypatch.setenv(key, "unset")
     stage.setup_distributed("cpu")
     # a 2 GB checkpoint at 3.3 MB/s: 600 s; the timeout must cover such a write (it was 60 s)
-    assert seen["timeout"] == common.COLLECTIVE_TIMEOUT and common.COLLECTIVE_TIMEOUT.total_seconds() >= 500
+    assert seen["timeout"] == checkpoints.COLLECTIVE_TIMEOUT and checkpoints.COLLECTIVE_TIMEOUT.total_seconds() >= 500
     source = (ROOT / "common.py").read_text(encoding="utf-8")
     assert re.search(r"new_group\(backend=\"gloo\", timeout=COLLECTIVE_TIMEOUT\)", source)  # not gloo's 30 min
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

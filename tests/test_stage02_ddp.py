@@ -253,7 +253,7 @@ def test_world_size_one_matches_stage01(small_text, tmp_path):
     stdout_02 = results[1][1]
     assert "world size: 1" in stdout_02
     assert "global batch 4 sequences" in stdout_02
-    assert "Weight checksums of the 1 ranks: identical" in stdout_02
+    assert "Weight checksums" not in stdout_02  # one rank has nothing to compare with
 
     m01, m02 = read_metrics(tmp_path / "s01"), read_metrics(tmp_path / "s02")
     assert m02["world_size"] == 1 and m01["world_size"] == 1

@@ -1,0 +1,121 @@
+"""Looking inside a run: --profile and --memory-snapshot, the same in every stage.
+
+Configuration, not code in the loop: the stage asks off_clock() before a step, labels the step's parts with
+region() and calls step_done() after it; with both flags off every call does nothing.
+"""
+
+import contextlib
+import sys
+from pathlib import Path
+
+import checkpoints
+from data import UsageError
+
+PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profiler's schedule, from the run's start
+# The labels of the stage's regions and of torch.profiler's steps: the table ranks kernels and operators, not these
+# (on CUDA their device-side copies span a whole step and would top a table sorted by device time).
+REGION_LABELS = ("forward with loss", "backward", "optimizer step")
+SNAPSHOT_STEPS = 3  # steps of allocator history in a memory snapshot
+
+
+class RunInspection:
+    """--profile and --memory-snapshot, the same in every stage; both off: it does nothing.
+
+    --profile follows torch.profiler's schedule: PROFILE_WAIT steps not recorded (the first compiles),
+    PROFILE_WARMUP recorded and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps
+    run off the training clock (profiling slows them), and the stage labels the regions of each step with
+    region(). --memory-snapshot records the CUDA caching allocator's history over the first SNAPSHOT_STEPS
+    steps, which also run off the clock (recording every allocation slows them, and the dump after the last
+    synchronizes and pickles). In a distributed run only rank 0 profiles and writes. Steps are numbered from 0
+    as in the log lines, and the trace's ProfilerStep#N labels use the same numbers.
+    """
+
+    def __init__(self, args, device, first_step, total_steps):
+        import torch
+        import torch.distributed as dist
+
+        self.torch = torch
+        self.out = Path(args.out)
+        self.cuda = device.type == "cuda"
+        self.first_step = first_step
+        self.report = None
+        if args.memory_snapshot and not self.cuda:
+            raise UsageError("--memory-snapshot records the CUDA caching allocator: it needs a GPU (--device cuda)")
+        profiled_last = first_step + PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE  # one past the last, 0-based
+        if args.profile and total_steps < profiled_last:
+            raise UsageError(f"--profile records steps {first_step + PROFILE_WAIT + PROFILE_WARMUP} to "
+                             f"{profiled_last - 1} of this run, but its last step is {total_steps - 1}: use "
+                             f"--max-steps {profiled_last} or more (or 0)")
+        is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+        self.profiler = self.snapshot = None
+        if args.profile and is_writer:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                                   if self.cuda else [])
+            self.profiler = torch.profiler.profile(
+                activities=activities, on_trace_ready=self._write_trace,
+                schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE,
+                                                 repeat=1, skip_first=first_step))
+            self.profiler.step_num = first_step  # ProfilerStep#N: N is the log's step number, also after --resume
+            self.profiler.start()
+            self.profiled_steps = range(first_step + PROFILE_WAIT, profiled_last)  # warm-up and active: off the clock
+        if args.memory_snapshot and is_writer:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.snapshot = device
+            self.snapshot_steps = range(first_step, first_step + SNAPSHOT_STEPS)
+
+    def off_clock(self, step):
+        """Whether step `step` (0-based) is profiled or recorded for the snapshot, and so left off the clock."""
+        return ((self.profiler is not None and step in self.profiled_steps)
+                or (self.snapshot is not None and step in self.snapshot_steps))
+
+    def region(self, name):
+        """A labelled region of a step in the trace (nothing at all when not profiling)."""
+        if self.profiler is None:
+            return contextlib.nullcontext()
+        return self.torch.profiler.record_function(name)
+
+    def step_done(self, step):
+        """Call after each training step (`step`, 0-based, the one just done)."""
+        if self.profiler is not None:
+            self.profiler.step()
+            if step + 1 >= self.profiled_steps.stop:
+                self.profiler.stop()
+                self.profiler = None
+        if self.snapshot is not None and step + 1 - self.first_step >= SNAPSHOT_STEPS:
+            self._write_snapshot()
+
+    def _write_trace(self, prof):
+        path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
+        checkpoints.save_atomically(lambda tmp: prof.export_chrome_trace(tmp), path)
+        sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        steps = f"{self.profiled_steps.start + PROFILE_WARMUP}-{self.profiled_steps.stop - 1}"
+        averages = prof.key_averages()
+        averages[:] = [row for row in averages if not is_label(row)]  # kernels and operators only
+        self.report = (f"Profile of steps {steps} ({'CUDA' if self.cuda else 'CPU'} time; these steps are not in "
+                       f"tok/s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)\n"
+                       + averages.table(sort_by=sort_by, row_limit=15))
+
+    def _write_snapshot(self):
+        torch, device = self.torch, self.snapshot
+        torch.cuda.synchronize(device)
+        path = self.out / "memory_snapshot.pickle"
+        checkpoints.save_atomically(lambda tmp: torch.cuda.memory._dump_snapshot(tmp), path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.snapshot = None
+        print(f"Memory snapshot of the first {SNAPSHOT_STEPS} steps: {path} (drop it on https://pytorch.org/memory_viz)"
+              f" | peak over them: {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB allocated, "
+              f"{torch.cuda.max_memory_reserved(device) / 1024**3:.2f} GiB reserved", flush=True)
+
+    def finish(self):
+        """At the end of training: print the profile's table of top operators (if one was taken)."""
+        if self.report:
+            print(self.report, flush=True)
+        return None if self.report is None else str(self.out / "profile")
+
+
+
+def is_label(row):
+    """Whether a row of the profiler's table is a label (a region of ours, a ProfilerStep#N) rather than work."""
+    return (getattr(row, "is_user_annotation", False) or row.key in REGION_LABELS
+            or row.key.startswith("ProfilerStep#"))

@@ -1,0 +1,187 @@
+"""A run's own folder and its cheap checks: one live run per folder, refusals before any slow work, outputs that
+stop growing part-way on a real file, a checkout that cannot be written, and the progress line of a compile."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script, run_with_fault
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def one_error_line(result):
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Two runs never write into one folder at the same time
+# ---------------------------------------------------------------------------------------------
+
+def test_a_second_run_into_the_folder_of_a_live_run_stops_before_writing(small_text, tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "00_orig.py", "--tiny", "--data", str(small_text), "--out", str(out),
+                              "--epochs", "50", "--eval-freq", "5", "--save-every", "5"], cwd=ROOT, env=ENV,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "model.pth").exists():  # the first run has written a checkpoint of its own
+            assert first.poll() is None and time.monotonic() < deadline, "the first run ended or never saved"
+            time.sleep(0.2)
+        before = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
+        second = run_script("00_orig.py", "--tiny", "--data", small_text, "--out", out, "--max-steps", 3)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        line = one_error_line(second)
+        assert f"--out {out} is in use by a live run (process {first.pid})" in line, line
+        assert "Ep " not in second.stdout  # it trained nothing
+        assert not (out / "metrics.json").exists()  # and wrote nothing: the files are the first run's
+        first.kill()  # a killed run leaves no stale lock: the OS drops it with the process
+        first.wait(timeout=30)
+        assert {path.name for path in out.iterdir()} >= set(before)
+    finally:
+        first.kill()
+    third = run_script("00_orig.py", "--tiny", "--data", small_text, "--out", out, "--max-steps", 2)
+    assert third.returncode == 0, third.stderr[-2000:]  # a finished (here: killed) run's files are no obstacle
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Cheap checks come first
+# ---------------------------------------------------------------------------------------------
+
+def test_a_missing_resume_is_refused_about_as_fast_as_help(tmp_path):
+    def seconds(*args):
+        started = time.monotonic()
+        result = run_script("00_orig.py", *args)
+        return time.monotonic() - started, result
+
+    help_seconds, _ = seconds("--help")
+    missing = tmp_path / "nowhere" / "model.pth"
+    refuse_seconds, result = seconds("--resume", missing)
+    assert result.returncode == 2
+    assert f"--resume {missing}: no such checkpoint file" in one_error_line(result)
+    # importing torch dominates both; the corpus and the model (8-11 s before) must not be touched
+    assert refuse_seconds < 1.5 * help_seconds + 1.0, (refuse_seconds, help_seconds)
+
+
+def test_flags_are_never_abbreviated():
+    result = run_script("00_orig.py", "--max-step", "3")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --max-step 3" in one_error_line(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. An output that stops growing part-way, on a real file: RLIMIT_FSIZE makes write() fail with EFBIG
+# ---------------------------------------------------------------------------------------------
+
+# Right before the write of `target` (its `nth` write in the run), file sizes are capped at `limit` bytes: the
+# write starts on a real file and fails part-way, as on a disk that fills up. For torch.save that is the case
+# where the zip writer's cleanup raises a RuntimeError over the OSError.
+FILE_SIZE_LIMIT = """
+import resource, signal
+from pathlib import Path
+import checkpoints
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing the process
+real_save, seen = checkpoints.save_atomically, {{}}
+def capped_save(save, path):
+    seen[Path(path).name] = seen.get(Path(path).name, 0) + 1
+    if Path(path).name == {target!r} and seen[Path(path).name] == {nth}:
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
+    return real_save(save, path)
+checkpoints.save_atomically = capped_save
+"""
+CAPPED_OUTPUTS = {  # target file: (its write to cap, size cap in bytes, extra flags)
+    "model.pth": (2, 200_000, ["--save-every", "4"]),  # the second checkpoint; the first stays whole
+    "metrics.json": (1, 600, []),
+    "loss.png": (1, 5_000, []),
+    "00_orig.pt.trace.json": (1, 5_000, ["--profile"]),
+}
+
+
+@pytest.mark.parametrize("target", CAPPED_OUTPUTS)
+def test_an_output_that_stops_growing_part_way_ends_in_one_line(target, small_text, tmp_path):
+    nth, limit, flags = CAPPED_OUTPUTS[target]
+    fault = FILE_SIZE_LIMIT.format(target=target, nth=nth, limit=limit)
+    result = run_with_fault(tmp_path, small_text, fault, "--max-steps", "10", "--eval-freq", "100", *flags)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    line = one_error_line(result)
+    assert line.startswith("error: cannot write ") and target in line and "File too large" in line, line
+    out = tmp_path / "run"
+    leftovers = [path for path in out.rglob("*") if path.name.endswith(".tmp")]
+    assert not leftovers, leftovers
+    if target == "model.pth":
+        assert torch.load(out / "model.pth", weights_only=True)["step"] == 4  # the previous checkpoint, whole
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A checkout that cannot be written, with an empty cache
+# ---------------------------------------------------------------------------------------------
+
+def _drop_root():  # root writes into read-only folders: run as nobody so that the permissions hold
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
+    base = Path(tempfile.mkdtemp(prefix="read-only-checkout-"))
+    try:
+        checkout = base / "repo"
+        checkout.mkdir()
+        for name in ("00_orig.py", "common.py", "checkpoints.py", "inspection.py"):
+            shutil.copy(ROOT / name, checkout / name)
+        shutil.copytree(ROOT / "data", checkout / "data", ignore=shutil.ignore_patterns("cache", "__pycache__"))
+        home, out = base / "home", base / "out"
+        home.mkdir()
+        out.mkdir()
+        for folder in (base, home, out):
+            folder.chmod(0o777 if folder != base else 0o755)
+        for path in [checkout, *checkout.rglob("*")]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        env = {**ENV, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONDONTWRITEBYTECODE": "1",
+               "TIKTOKEN_CACHE_DIR": str(home / "tiktoken"), "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor")}
+        result = subprocess.run([sys.executable, "00_orig.py", "--tiny", "--max-steps", "2", "--eval-freq", "1",
+                                 "--out", str(out)], cwd=checkout, env=env, capture_output=True, text=True,
+                                timeout=240, preexec_fn=_drop_root if os.getuid() == 0 else None)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        cache = home / ".cache" / "fast-gpt2-training"
+        assert f"the corpus is cached in {cache}" in result.stdout
+        assert list(cache.glob("shakespeare-*.txt")), "the corpus cache is not in the user's cache folder"
+        assert not (checkout / "data" / "cache").exists()
+        assert (out / "metrics.json").is_file() and (out / "model.pth").is_file()
+    finally:
+        for path in [base, *base.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Compiling says so
+# ---------------------------------------------------------------------------------------------
+
+def test_the_progress_line_says_when_and_what_torch_compile_compiles():
+    import common
+
+    heartbeat = common.Heartbeat(every_s=3600)  # no line of its own during the test
+    seen = []
+
+    def backend(graph_module, example_inputs):  # runs while torch.compile compiles: what would the line say?
+        seen.append(heartbeat.describe())
+        return graph_module.forward
+
+    heartbeat.doing = "training: epoch 1, step 0"
+    torch.compile(lambda x: torch.sin(x) + 1, backend=backend)(torch.ones(3))
+    assert seen == ["compiling the training graph (torch.compile): training: epoch 1, step 0"], seen
+    assert heartbeat.describe() == "training: epoch 1, step 0"  # compiled: back to the plain activity
+    heartbeat.doing = "evaluating"
+    torch.compile(lambda x: torch.cos(x) * 2, backend=backend)(torch.ones(3))
+    assert seen[-1].startswith("compiling the evaluation graph"), seen
