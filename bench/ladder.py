@@ -1,19 +1,29 @@
 """Benchmark ladder: the original tutorial's table of speed-ups, rebuilt on the machine at hand.
 
-Rung 0 is 00_orig.py, rungs 1 to 10 add the ten optimizations of SPEC.md one at a time (rung 10 is
-01_opt_single_gpu.py) and rung 11 is 02_opt_multi_gpu_ddp.py under torchrun on every visible GPU (one
-process on a CPU). Each rung runs in a fresh process, on the same corpus, seed and batch order: a few
-warm-up steps (not timed), then the measured steps in timing windows. Written to --out:
-ladder.md (the table), ladder.json (the numbers), ladder.png (two charts) and logs/ (each rung's raw
-output and result).
+Rung 0 is 00_orig.py, rungs 1 to 10 add the ten optimizations of stage 01 one at a time, numbered as in the
+README's "The ten optimizations of stage 01" (rung 10 is 01_opt_single_gpu.py); rung 11 is
+02_opt_multi_gpu_ddp.py (DDP) and rung 12 is 03_opt_multi_gpu_fsdp.py (FSDP2), both under torchrun on every
+visible GPU (one process on a CPU) at the same settings. Each rung runs in a fresh process, on the same corpus,
+seed and batch order: a few warm-up steps (not timed), then the measured steps in timing windows. Written to
+--out: ladder.md (the table), ladder.json (the numbers), ladder.png (two charts) and logs/ (each rung's raw
+output and result; rungs 11 and 12 also their run folder, without its checkpoint).
 
-  python bench/ladder.py                     # every rung, full-size model (a GPU)
-  python bench/ladder.py --tiny              # every rung, tiny model: a few minutes on a CPU
-  python bench/ladder.py --rungs 0,8,10      # a subset (ranges work too: 0-7)
-  python bench/ladder.py --check-scripts     # also run 00 and 01 as they are, beside rungs 0 and 10
+A ladder can be measured in parts into one --out folder: each part's rows join the table there, a rung
+measured again replaces its row, and every row says when it was measured. A part measured on another device,
+with another PyTorch or with other settings (--model, --tiny, --batch-size, --data, --seed, --warmup, --steps,
+--windows) is refused with exit code 2, and nothing is written. The table is written again after every rung,
+so a part that is stopped keeps the rungs it finished.
+
+  python bench/ladder.py --rungs 0-5          # a part; then --rungs 6-12 into the same folder
+  python bench/ladder.py --tiny               # every rung, tiny model: a few minutes on a CPU
+  python bench/ladder.py --rungs 0,8,10       # a subset (ranges work too: 0-7)
+  python bench/ladder.py --batch-size 8       # a GPU with less memory: every rung at batch 8
+  python bench/ladder.py --model gpt2-medium  # another of the book's GPT-2 sizes
+  python bench/ladder.py --check-scripts      # also run 00 and 01 as they are, beside rungs 0 and 10
 
 Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), 1 when
-none was, 2 for a wrong command line, 130 when interrupted (the rungs done so far are still written).
+none was, 2 for a wrong command line or a part that does not match the folder's, 130 when interrupted
+(143 / 129 for SIGTERM / SIGHUP; the rungs done so far are kept).
 
 Testing hook: the environment variable LADDER_FAIL_RUNG=3 (or 3,11) makes those rungs fail on purpose,
 to check that a failure is reported on its row while the other rungs still run.
@@ -31,42 +41,29 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections import deque
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common, data and bench.rungs, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # common, data and bench, wherever the script is started from
 
 import common  # noqa: E402  (needs the path above; imports no torch)
+from bench import report  # noqa: E402
 
 FAIL_HOOK_VARIABLE = "LADDER_FAIL_RUNG"
 REAL_VOCAB_SIZE = 50257  # GPT-2's tokenizer: MFU counts useful work, not the padded vocabulary rows
-
-# The original tutorial's figures, one A100 (rung 11: four), PyTorch 2.6: its README's "Avg tok/sec"
-# for steps 0 to 7 and "Step tok/sec" at the end of epoch 1 for 8 to 11 (all GPUs together for 11),
-# and torch.cuda.memory_reserved() after the first epoch in GB (bytes / 1024**3, as here).
-REFERENCE_SOURCE = ("original tutorial, 1x A100, PyTorch 2.6 (rung 11: 4x A100): Sebastian Raschka, "
-                    "LLMs-from-scratch, ch05/10_llm-training-speed/README.md")
-REFERENCE = {
-    0: (12_525, 26.26), 1: (12_526, 26.24), 2: (27_648, 26.24), 3: (28_399, 26.24), 4: (28_402, 26.24),
-    5: (45_486, 13.79), 6: (55_256, 11.56), 7: (91_901, 5.90), 8: (112_046, 6.19), 9: (127_345, 5.89),
-    10: (142_156, 22.51), 11: (419_259, 22.80),
-}
 
 # Steps and timing windows; --steps, --warmup and --windows override them.
 FULL_DEFAULTS = {"warmup": 10, "steps": 30, "windows": 5}
 TINY_DEFAULTS = {"warmup": 2, "steps": 10, "windows": 5}
 
-# Short names for the chart's axis.
-SHORT_NAMES = {0: "baseline (00)", 1: "mask on the fly", 2: "TF32", 3: "fused AdamW", 4: "pinned memory",
-               5: "bf16 / fp16", 6: "native LN/GELU", 7: "SDPA + fused QKV", 8: "torch.compile", 9: "vocab 50,304",
-               10: "larger batch (01)", 11: "DDP (02)"}
+# What a stage script's run folder keeps once the rung is measured: its checkpoint (2 GB at full size, far more
+# for the larger models) is only the price of running the script as it is.
+KEPT_FROM_SCRIPT_RUNS = ("metrics.json", "loss.png", "loss.pdf")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,13 +89,19 @@ def parse_rungs(text):
 
 
 def build_parser():
-    parser = common.OneLineParser(prog="bench/ladder.py", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.OneLineParser(prog="bench/ladder.py", description=__doc__, allow_abbrev=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help="the stages' tiny model and batch and fewer steps: every rung in a few minutes "
                              "on a CPU")
     parser.add_argument("--rungs", type=parse_rungs, default="all",
                         help="which rungs: 'all', a list like 0,8,10 or ranges like 0-7 (default: all)")
+    parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
+                        help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
+                             "stages' tiny model (default: gpt2-small)")
+    parser.add_argument("--batch-size", type=common.whole_number(1), metavar="N",
+                        help="sequences per step (and per process in rungs 11-12) for every rung, for GPUs with "
+                             "less memory; the rows it changes say so (default: each stage's own)")
     parser.add_argument("--steps", type=common.whole_number(1),
                         help=f"measured steps per rung (default: {FULL_DEFAULTS['steps']}; "
                              f"{TINY_DEFAULTS['steps']} with --tiny)")
@@ -113,8 +116,12 @@ def build_parser():
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to train; auto: CUDA when available (default: auto)")
     parser.add_argument("--seed", type=int, default=123, help="random seed of every rung (default: 123)")
-    parser.add_argument("--out", help="output folder (default: bench/results/<gpu or cpu name>/, "
-                                      "with a -tiny suffix under --tiny)")
+    parser.add_argument("--out", help="results folder; parts measured into one folder make one table (default: "
+                                      "bench/results/<gpu or cpu name>/, with a -<model> suffix for a model other "
+                                      "than gpt2-small and -tiny under --tiny)")
+    parser.add_argument("--roofline", metavar="PATH",
+                        help=f"bench/roofline.py's {report.ROOFLINE_NAME} for this GPU: a measured / ceiling column "
+                             "(default: the one in the results folder, if it models the same GPU)")
     parser.add_argument("--check-scripts", action="store_true",
                         help="also run 00_orig.py and 01_opt_single_gpu.py as they are, with the same steps, "
                              "and set their own tok/s beside rungs 0 and 10 (a cross-check of the composition)")
@@ -171,7 +178,8 @@ def slug(text):
 
 
 def describe_device_main(args):
-    """Worker mode: what the device is (asked in a child so the parent never holds a CUDA context)."""
+    """Worker mode: what the device is, as one line of JSON on stdout (asked in a child so that the parent never
+    holds a CUDA context)."""
     import torch
 
     # the ladder times CUDA GPUs and CPUs: auto never picks an Apple GPU here (nothing on MPS is timed yet)
@@ -197,7 +205,7 @@ def describe_device_main(args):
         # the precision 01 and 02 train in here (their main() decides it the same way)
         "stage01_precision": common.autocast_precision(device)[0],
     }
-    common.write_json(info, args.result)
+    print(json.dumps(info), flush=True)
     return common.EXIT_OK
 
 
@@ -221,7 +229,8 @@ def run_rung_main(args):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         heartbeat.doing = "composing the rung from the stage scripts"
-        rung = rungs.compose(number, device, args.tiny, seed=args.seed)
+        rung = rungs.compose(number, device, args.tiny, seed=args.seed, model=args.model,
+                             batch_size=args.batch_size)
         parameters = sum(p.numel() for p in rung.model.parameters())
         result.update(precision=rung.precision, batch_size=rung.batch_size, vocab_size=rung.cfg["vocab_size"],
                       context_length=rung.cfg["context_length"], parameters=parameters, world_size=1,
@@ -255,7 +264,7 @@ def run_rung_main(args):
             result["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1024**3
             say(f"peak memory: {result['peak_allocated_gb']:.2f} GiB allocated, "
                 f"{result['peak_reserved_gb']:.2f} GiB reserved")
-        common.write_json(result, args.result)
+        report.write_json(result, args.result)
     return common.EXIT_OK if result["error"] is None else common.EXIT_FAILED
 
 
@@ -283,7 +292,7 @@ def run_streaming(command, log_path, timeout, echo_prefix="    "):
     Returns (exit code or None when it timed out, the last lines of its output).
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    tail = deque(maxlen=30)
+    tail = deque(maxlen=100)  # torchrun's report of a failed child alone is some 40 lines
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(map(str, command))}\n")
         log.flush()
@@ -315,25 +324,33 @@ def run_streaming(command, log_path, timeout, echo_prefix="    "):
 
 def worker_command(args, *mode):
     command = [sys.executable, Path(__file__).resolve(), *mode, "--data", args.data, "--device", args.device,
-               "--seed", args.seed, "--warmup", args.warmup, "--steps", args.steps, "--windows", args.windows]
-    return command + (["--tiny"] if args.tiny else [])
+               "--seed", args.seed, "--warmup", args.warmup, "--steps", args.steps, "--windows", args.windows,
+               "--model", args.model]
+    return command + (["--tiny"] if args.tiny else []) + (["--batch-size", args.batch_size] if args.batch_size else [])
 
 
-def describe_device(args, scratch):
+def describe_device(args):
     """Ask a child process what the device is; a wrong --device ends the ladder with exit code 2."""
-    result = Path(scratch) / "device.json"
-    done = subprocess.run([sys.executable, Path(__file__).resolve(), "--describe-device", "--device",
-                           args.device, "--result", result], cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0 or not result.exists():
+    done = subprocess.run([sys.executable, Path(__file__).resolve(), "--describe-device", "--device", args.device],
+                          cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
         message = (done.stderr.strip().splitlines() or ["could not query the device"])[-1]
         raise common.UsageError(message.removeprefix("error: "))
-    return json.loads(result.read_text())
+    return json.loads(lines[-1])
+
+
+# A line that says what went wrong: an exception, or a stage's one-line message; torchrun's own report of a failed
+# child (ChildFailedError and a framed summary) comes after the child's line and says less.
+ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception)\b(?<!ChildFailedError)|^error:|^training failed:")
 
 
 def failure_from_output(code, tail, timeout):
     if code is None:
         return f"timed out after {timeout} s (--rung-timeout)"
-    last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+    lines = [line.strip() for line in tail if re.search(r"\w", line)]
+    errors = [line for line in lines if ERROR_LINE.search(line)]
+    last = (errors or lines or [""])[-1]
     return f"exited with code {code}" + (f": {last[:120]}" if last else "")
 
 
@@ -374,40 +391,75 @@ def script_schedule(warmup, steps, windows, steps_per_epoch=None):
     return window, ends, ends[-1] + 1
 
 
-def script_steps_per_epoch(script_name, args, processes):
+def own_batch_size(stage, tiny):
+    """A stage script's own batch (its --tiny one under --tiny)."""
+    return (stage.TINY_SETTINGS if tiny else stage.OTHER_SETTINGS)["batch_size"]
+
+
+def script_steps_per_epoch(stage, args, processes):
     """Steps per epoch of a stage script on this corpus, from its own dataset class and batch size."""
-    from bench.rungs import load_stage, training_windows
+    from bench.rungs import training_windows
     from data import get_tokenizer, load_text
 
-    stage = load_stage(script_name)
-    cfg = stage.TINY_CONFIG if args.tiny else stage.GPT_CONFIG_124M
-    batch_size = (stage.TINY_SETTINGS if args.tiny else stage.OTHER_SETTINGS)["batch_size"]
-    dataset = training_windows(stage, load_text(args.data), get_tokenizer(), cfg["context_length"])
+    context = (stage.TINY_CONFIG if args.tiny else stage.GPT_CONFIG_124M)["context_length"]  # the same at any size
+    dataset = training_windows(stage, load_text(args.data), get_tokenizer(), context)
+    batch_size = args.batch_size or own_batch_size(stage, args.tiny)
     return len(dataset) // processes // batch_size  # the shards of DistributedSampler, then whole batches
 
 
-def run_stage_script(script_name, launcher, args, device_info, log_path, metrics_copy, processes=1):
-    """Run a stage script as it is (flags only) and read its metrics.json into a ladder row.
+def script_flags(args, run_dir, max_steps, window):
+    """The flags a stage script runs with in the ladder: the ladder's settings, its schedule and --out."""
+    return (["--data", args.data, "--device", args.device, "--seed", args.seed, "--model", args.model,
+             "--max-steps", max_steps, "--eval-freq", window, "--eval-iter", 1, "--epochs", 1000, "--out", run_dir]
+            + (["--tiny"] if args.tiny else []) + (["--batch-size", args.batch_size] if args.batch_size else []))
+
+
+def start_run_folder(run_dir):
+    """An empty run folder for a stage script (the one an earlier measurement left is this ladder's own)."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
+def drop_checkpoints(run_dir):
+    """Remove all but KEPT_FROM_SCRIPT_RUNS from a stage script's run folder: the checkpoint (model.pth, a sharded
+    state beside it), torchrun's own files and anything else only the run itself needed."""
+    if not run_dir.exists():
+        return
+    for entry in run_dir.iterdir():
+        if entry.name in KEPT_FROM_SCRIPT_RUNS:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir, processes=1):
+    """Run a stage script as it is (flags only) into `run_dir` and read its metrics.json into a ladder row.
 
     Its numbers come from its own clock (the per-interval `Step tok/sec` of its log, all processes
     together), not from the ladder's timing loop; see script_schedule for how the two are lined up.
     """
+    from bench.rungs import load_stage
+
     script = ROOT / script_name
     if not script.exists():
         log_path.write_text(f"{script_name} does not exist: nothing to run\n")
         return {"error": f"{script_name} does not exist (yet)"}
-    steps_per_epoch = script_steps_per_epoch(script_name, args, processes)
+    stage = load_stage(script_name)
+    steps_per_epoch = script_steps_per_epoch(stage, args, processes)
     window, measured_ends, max_steps = script_schedule(args.warmup, args.steps, args.windows, steps_per_epoch)
-    with tempfile.TemporaryDirectory(prefix="ladder-script-") as run_dir:  # its checkpoint is big: not kept
-        command = [*launcher, script, "--data", args.data, "--device", args.device, "--seed", args.seed,
-                   "--max-steps", max_steps, "--eval-freq", window, "--eval-iter", 1, "--epochs", 1000,
-                   "--out", run_dir] + (["--tiny"] if args.tiny else [])
-        code, tail = run_streaming(command, log_path, args.rung_timeout)
-        metrics_path = Path(run_dir) / "metrics.json"
-        if code != 0 or not metrics_path.exists():
-            return {"error": failure_from_output(code, tail, args.rung_timeout)}
-        shutil.copyfile(metrics_path, metrics_copy)
-        metrics = json.loads(metrics_path.read_text())
+    start_run_folder(run_dir)
+    try:
+        code, tail = run_streaming([*launcher, script, *script_flags(args, run_dir, max_steps, window)], log_path,
+                                   args.rung_timeout)
+    finally:
+        drop_checkpoints(run_dir)  # also after a failure or an interrupt: a checkpoint is never needed here
+    metrics_path = run_dir / "metrics.json"
+    if code != 0 or not metrics_path.exists():
+        return {"error": failure_from_output(code, tail, args.rung_timeout)}
+    metrics = json.loads(metrics_path.read_text())
 
     log = sorted(metrics.get("log", []), key=lambda entry: entry["step"])
     windows = [entry["step_tok_per_sec"] for previous, entry in zip(log, log[1:])
@@ -428,6 +480,7 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, metrics
         "error": None, "tokens_per_sec": median, "tokens_per_sec_min": min(windows),
         "tokens_per_sec_max": max(windows), "window_tokens_per_sec": windows, "mfu": mfu, "precision": precision,
         "world_size": world_size, "batch_size": (metrics.get("settings") or {}).get("batch_size"),
+        "stage_batch_size": own_batch_size(stage, args.tiny),
         "peak_allocated_gb": metrics.get("peak_allocated_gb"), "peak_reserved_gb": metrics.get("peak_reserved_gb"),
         "final_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
         "steps": len(windows) * window, "warmup_steps": measured_ends[0] - window + 1,
@@ -436,29 +489,36 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, metrics
     }
 
 
-def run_ddp_rung(args, device_info, logs):
-    """Rung 11: the real 02 under torchrun, one process per visible GPU (one on a CPU).
+def run_multi_process_rung(number, args, device_info, logs):
+    """Rung 11 (02, DDP) or 12 (03, FSDP2): the stage script itself under torchrun, one process per visible GPU
+    (one on a CPU), at the same settings, so that the two rows show what sharding costs against DDP.
 
-    DDP needs several processes, so this rung cannot be composed like the others: it is 02 as it is,
-    measured by its own clock (see run_stage_script).
+    These need several processes, so they cannot be composed like the others: each is its script as it is,
+    measured by its own clock (see run_stage_script), with its outputs in logs/rung-NN-run/.
     """
-    from bench.rungs import STAGE_02
+    from bench.rungs import MULTI_PROCESS_RUNGS, batch_size_note
 
-    number = 11
+    script_name = MULTI_PROCESS_RUNGS[number]
     log_path = logs / f"rung-{number:02d}.log"
     if number in failing_rungs_for_testing():
         message = f"rung {number} failed on purpose ({FAIL_HOOK_VARIABLE} testing hook)"
         log_path.write_text(message + "\n")
         return {"rung": number, "error": message}
     processes = device_info["gpu_count"] if device_info["device_type"] == "cuda" else 1
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    row = run_stage_script(STAGE_02, torchrun, args, device_info, log_path, logs / f"rung-{number:02d}-metrics.json",
-                           processes)
+    run_dir = logs / f"rung-{number:02d}-run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                "--log-dir", run_dir / "torchrun"]  # torchrun's own files: not in /tmp
+    row = run_stage_script(script_name, torchrun, args, device_info, log_path, run_dir, processes)
     row["rung"] = number
     if row["error"] is None:
         world_size = row["world_size"]
+        row["run_folder"] = str(run_dir.relative_to(logs.parent))
         row["notes"] = [f"{world_size} process{'es' if world_size > 1 else ''}: tok/s of all together, by "
-                        f"02's own clock; final loss: its evaluation at step {row['final_loss_step']}"]
+                        f"{Path(script_name).stem[:2]}'s own clock; final loss: its evaluation at step "
+                        f"{row['final_loss_step']}"]
+        override = batch_size_note(args.batch_size, row["stage_batch_size"])
+        if override:
+            row["notes"].append(override)
     return row
 
 
@@ -471,7 +531,7 @@ def run_script_checks(args, device_info, logs, rows):
         print(f"Cross-check: {script_name} as it is, for rung {rung}", flush=True)
         stem = Path(script_name).stem
         result = run_stage_script(script_name, [sys.executable], args, device_info, logs / f"script-{stem}.log",
-                                  logs / f"script-{stem}-metrics.json")
+                                  logs / f"script-{stem}-run")
         ladder_row = next((row for row in rows if row["rung"] == rung), None)
         ladder_speed = ladder_row.get("tokens_per_sec") if ladder_row else None
         checks.append({
@@ -507,41 +567,6 @@ def summarize(row):
     return text + (f" | FAILED: {row['error']}" if row.get("error") else "")
 
 
-def add_comparisons(rows):
-    """Speed-ups over the row before (when both were measured) and over rung 0 (when it was run)."""
-    baseline = next((row for row in rows if row["rung"] == 0 and row.get("tokens_per_sec")), None)
-    previous = None
-    for row in rows:
-        speed = row.get("tokens_per_sec")
-        row["previous_rung"] = previous["rung"] if previous else None
-        row["speedup_vs_previous"] = (speed / previous["tokens_per_sec"]
-                                      if speed and previous and previous.get("tokens_per_sec") else None)
-        row["speedup_vs_baseline"] = speed / baseline["tokens_per_sec"] if speed and baseline else None
-        previous = row
-
-
-ROW_KEYS = ("rung", "change", "tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "speedup_vs_previous",
-            "speedup_vs_baseline", "mfu", "peak_allocated_gb", "peak_reserved_gb", "final_loss", "error")
-
-
-def complete_row(row, seconds, logs, out):
-    """The documented keys first, then the details, and the reference figures."""
-    from bench.rungs import CHANGES
-
-    number = row["rung"]
-    full = {key: row.get(key) for key in ROW_KEYS}
-    full["change"] = CHANGES[number]
-    full.update({key: value for key, value in row.items() if key not in full})
-    full["seconds"] = round(seconds, 1)
-    if row.get("windows_cross_epochs"):
-        full["notes"] = [*(row.get("notes") or []), f"epochs of {row.get('steps_per_epoch')} steps are shorter "
-                         "than a window: every window crosses an epoch boundary"]
-    full["log"] = str((logs / f"rung-{number:02d}.log").relative_to(out))
-    reference_speed, reference_reserved = REFERENCE[number]
-    full["reference"] = {"tokens_per_sec": reference_speed, "reserved_gb": reference_reserved}
-    return full
-
-
 def git_revision():
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -564,34 +589,72 @@ def nvidia_driver():
         return None
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled as Ctrl-C is: the running rung's processes are stopped, the rungs done are kept."""
+
+
+def stop_on_signals():
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+
+
+def results_folder(args, device_info):
+    if args.out:
+        return Path(args.out)
+    name = device_info["slug"] + (f"-{args.model}" if args.model != "gpt2-small" else "") + (
+        "-tiny" if args.tiny else "")
+    return ROOT / "bench" / "results" / name
+
+
+def new_part(args, device_info, started_at):
+    """The report of this part alone, before its first rung: what it runs on, with which settings, and since when."""
+    return {
+        "device": device_info["description"], "device_name": device_info["name"],
+        "gpu_count": device_info["gpu_count"], "driver": nvidia_driver(), "cuda": device_info["cuda"],
+        "torch": device_info["torch"], "python": device_info["python"], "date": started_at,
+        "settings": {"tiny": args.tiny, "model": args.model, "batch_size": args.batch_size, "data": args.data,
+                     "seed": args.seed, "warmup_steps": args.warmup, "steps": args.steps,
+                     "windows": min(args.windows, args.steps), "device": args.device},
+        "reference_source": report.REFERENCE_SOURCE,
+        "parts": [{"started_at": started_at, "command": shlex.join(["python", "bench/ladder.py", *sys.argv[1:]]),
+                   "git": git_revision(), "rungs": list(args.rungs), "seconds": 0}],
+        "rungs": [],
+    }
+
+
 def run_ladder(args):
     from bench.rungs import CHANGES
     from data import load_text
 
     load_text(args.data)  # a wrong --data fails here, once, with exit code 2 (and middlemarch is cached once)
-    with tempfile.TemporaryDirectory(prefix="ladder-") as scratch:
-        device_info = describe_device(args, scratch)
+    device_info = describe_device(args)
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
-        device_info["slug"] + ("-tiny" if args.tiny else ""))
-    logs = common.check_out_dir(out / "logs")
-    started_at = datetime.now(timezone.utc)
-    report = {
-        "device": device_info["description"], "device_name": device_info["name"],
-        "gpu_count": device_info["gpu_count"], "driver": nvidia_driver(), "cuda": device_info["cuda"],
-        "torch": device_info["torch"], "python": device_info["python"],
-        "date": started_at.strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
-        "command": shlex.join(["python", "bench/ladder.py", *sys.argv[1:]]),
-        "settings": {"tiny": args.tiny, "data": args.data, "seed": args.seed, "warmup_steps": args.warmup,
-                     "steps": args.steps, "windows": min(args.windows, args.steps), "device": args.device},
-        "reference_source": REFERENCE_SOURCE, "rungs": [],
-    }
-    print(f"Ladder: rungs {','.join(map(str, args.rungs))} on {device_info['description']} | torch "
-          f"{device_info['torch']} | {args.warmup} warm-up + {args.steps} measured steps per rung"
-          f"{' | --tiny' if args.tiny else ''} | out: {out}", flush=True)
+    out = results_folder(args, device_info)
+    part = new_part(args, device_info, report.timestamp())
+    # Every check that can refuse this part comes before anything in the folder is written.
+    existing = report.read_report(out / "ladder.json")
+    if existing:
+        report.refuse_a_different_part(existing, part, out / "ladder.json")
+    roofline = report.find_roofline(out, args.roofline, device_info["name"], part["settings"])
+    logs = out / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise common.UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
+    stop_on_signals()
 
-    rows, durations, interrupted = [], [], False
+    print(f"Ladder: rungs {report.rung_ranges(args.rungs)} on {device_info['description']} | torch "
+          f"{device_info['torch']} | {report.describe_model(part['settings'])} | {args.warmup} warm-up + "
+          f"{args.steps} measured steps per rung{' | --tiny' if args.tiny else ''} | out: {out}"
+          + (f" (merged with its rungs {report.rung_ranges(row['rung'] for row in existing['rungs'])})"
+             if existing else ""), flush=True)
+
+    rows, durations, stopped = part["rungs"], [], None
     clock_start = time.monotonic()
+    merged = None
     for index, number in enumerate(args.rungs, start=1):
         elapsed = time.monotonic() - clock_start
         remaining = len(args.rungs) - index + 1
@@ -601,172 +664,41 @@ def run_ladder(args):
               f"{format_duration(elapsed)}, {estimate}", flush=True)
         rung_start = time.monotonic()
         try:
-            row = (run_ddp_rung(args, device_info, logs) if number == 11
+            row = (run_multi_process_rung(number, args, device_info, logs) if number >= 11
                    else run_single_process_rung(number, args, logs))
-        except KeyboardInterrupt:
-            row, interrupted = {"rung": number, "error": "interrupted"}, True
+        except KeyboardInterrupt as err:
+            row, stopped = {"rung": number, "error": report.INTERRUPTED}, err
         durations.append(time.monotonic() - rung_start)
-        rows.append(complete_row(row, durations[-1], logs, out))
+        rows.append(report.complete_row(row, durations[-1], f"logs/rung-{number:02d}.log", report.timestamp(),
+                                        part["date"]))
+        part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
+        merged = report.merge(existing, part)
+        report.write_report(merged, out, roofline, chart=False)  # kept even if the part is stopped later
         remaining = len(args.rungs) - index
         print(f"[{index}/{len(args.rungs)}] rung {number} {'done' if not rows[-1]['error'] else 'FAILED'} in "
               f"{format_duration(durations[-1])}: {summarize(rows[-1])} | elapsed "
               f"{format_duration(time.monotonic() - clock_start)}"
               + (f", ~{format_duration(statistics.mean(durations) * remaining)} left"
-                 if remaining and not interrupted else ""),
+                 if remaining and not stopped else ""),
               flush=True)
-        if interrupted:
+        if stopped:
             break
 
-    add_comparisons(rows)
-    report["rungs"] = rows
-    if args.check_scripts and not interrupted:
+    if args.check_scripts and not stopped:
         try:
-            report["script_checks"] = run_script_checks(args, device_info, logs, rows)
-        except KeyboardInterrupt:
-            interrupted = True
-    report["total_seconds"] = round(time.monotonic() - clock_start, 1)
-    common.write_json(report, out / "ladder.json")
-    markdown = render_markdown(report)
-    common.save_atomically(lambda tmp: Path(tmp).write_text(markdown, encoding="utf-8"), out / "ladder.md")
-    plot_ladder(report, out / "ladder.png")
+            part["script_checks"] = run_script_checks(args, device_info, logs, merged["rungs"])
+        except KeyboardInterrupt as err:
+            stopped = err
+    part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
+    merged = report.merge(existing, part)
+    markdown = report.write_report(merged, out, roofline)
     measured = sum(1 for row in rows if row.get("tokens_per_sec"))
-    print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | {measured} of {len(rows)} rungs measured "
-          f"in {format_duration(report['total_seconds'])}\n\n{markdown}", flush=True)
-    if interrupted:
-        return 130
+    print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this part: {measured} of {len(rows)} rungs "
+          f"measured in {format_duration(part['parts'][0]['seconds'])}; the table holds rungs "
+          f"{report.rung_ranges(row['rung'] for row in merged['rungs'])}\n\n{markdown}", flush=True)
+    if stopped:
+        return 128 + stopped.args[0] if isinstance(stopped, Stopped) else 130
     return common.EXIT_OK if measured else common.EXIT_FAILED
-
-
-# ---------------------------------------------------------------------------------------------
-# Outputs
-# ---------------------------------------------------------------------------------------------
-
-def _number(value, digits=0, suffix=""):
-    return "—" if value is None else f"{value:,.{digits}f}{suffix}"
-
-
-def render_markdown(report):
-    settings = report["settings"]
-    tiny = settings["tiny"]
-    lines = [
-        f"# Benchmark ladder: {report['device_name']}" + (" (--tiny)" if tiny else ""),
-        "",
-        f"- Device: {report['device']}" + (f", {report['gpu_count']} visible" if report["gpu_count"] else ""),
-        f"- Driver: {report['driver'] or 'n/a'} | CUDA: {report['cuda'] or 'n/a'} | PyTorch: {report['torch']} "
-        f"| Python: {report['python']}",
-        f"- Date: {report['date']} | code: {report['git'] or 'n/a'}",
-        f"- Command: `{report['command']}`",
-        f"- Each rung: a fresh process, corpus `{settings['data']}`, seed {settings['seed']}, "
-        f"warm-up steps: {settings['warmup_steps']} (not timed), then {settings['steps']} steps timed in "
-        f"{settings['windows']} window(s) that leave out the first step of each epoch where epochs are long "
-        "enough; data loading on the clock, no evaluation.",
-        "",
-        "| rung | change | tok/s (median) | min – max | × prev. | × rung 0 | MFU | peak alloc. GiB "
-        "| peak reserved GiB | final loss | reference tok/s | reference reserved GB | notes |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for row in report["rungs"]:
-        spread = ("—" if row["tokens_per_sec"] is None else
-                  f"{row['tokens_per_sec_min']:,.0f} – {row['tokens_per_sec_max']:,.0f}")
-        notes = list(row.get("notes") or [])
-        if row["error"]:
-            notes.insert(0, f"**failed:** {row['error']}")
-        reference = row["reference"]
-        cells = [
-            str(row["rung"]), row["change"], _number(row["tokens_per_sec"]), spread,
-            _number(row["speedup_vs_previous"], 2, "×"), _number(row["speedup_vs_baseline"], 2, "×"),
-            _number(None if row["mfu"] is None else 100 * row["mfu"], 1, "%"),
-            _number(row["peak_allocated_gb"], 2), _number(row["peak_reserved_gb"], 2), _number(row["final_loss"], 3),
-            _number(reference["tokens_per_sec"]), _number(reference["reserved_gb"], 2),
-            "; ".join(notes).replace("|", "\\|"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "tok/s: median over the timing windows (min – max beside it); rung 11: all processes together, "
-        "from 02's own per-interval `Step tok/sec` after the warm-up. × prev.: over the row above. "
-        "MFU: per GPU, against the dense peak of the rung's precision (fp32, TF32 from rung 2 on Ampere and "
-        "newer, bf16 from rung 5, fp16 on compute capability 7.x), FLOPs per token for the 50,257-token "
-        "vocabulary; none on a CPU. Memory: "
-        "`torch.cuda.max_memory_allocated/reserved` of the whole run (rung 11: 02's rank 0); none on a CPU. "
-        "Final loss: the last measured step's training loss (rung 11: 02's evaluation at its last step).",
-        "",
-        f"Reference columns: the {report['reference_source']}; steps 0–7 are its `Avg tok/sec`, 8–11 its "
-        "`Step tok/sec` at the end of epoch 1, reserved memory is `torch.cuda.memory_reserved()` after "
-        "epoch 1. Quoted, not measured here"
-        + (" — and for the full-size model, so not comparable with a --tiny run." if tiny else "."),
-        "",
-    ]
-    if report.get("script_checks"):
-        lines += [
-            "Cross-check (`--check-scripts`): the stage scripts run as they are, with the same warm-up and "
-            "steps, timed by their own clock (their per-interval `Step tok/sec`, evaluation left out).",
-            "",
-            "| script | its own tok/s (median) | min – max | rung | rung tok/s | script / rung | notes |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        for check in report["script_checks"]:
-            spread = ("—" if check["tokens_per_sec"] is None else
-                      f"{check['tokens_per_sec_min']:,.0f} – {check['tokens_per_sec_max']:,.0f}")
-            lines.append(f"| {check['script']} | {_number(check['tokens_per_sec'])} | {spread} | {check['rung']} | "
-                         f"{_number(check['rung_tokens_per_sec'])} | {_number(check['script_over_rung'], 2, '×')} | "
-                         + (f"**failed:** {check['error']}" if check["error"] else "") + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def plot_ladder(report, path):
-    """Two panels side by side: throughput per rung and peak reserved GPU memory per rung."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no window
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    rows = report["rungs"]
-    labels = [f"{row['rung']}  {SHORT_NAMES[row['rung']]}" for row in rows]
-    positions = list(range(len(rows)))
-    colors = ["tab:orange" if row["rung"] == 11 else "tab:blue" for row in rows]
-    figure, (speed_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2), sharey=True)
-
-    speeds = [row["tokens_per_sec"] or 0 for row in rows]
-    speed_axis.barh(positions, speeds, color=colors)
-    top_speed = max(speeds) or 1
-    for position, row in zip(positions, rows):
-        if row["tokens_per_sec"] is None:
-            speed_axis.text(top_speed * 0.01, position, "failed", va="center", color="tab:red", fontsize=9)
-        else:
-            text = f" {row['tokens_per_sec']:,.0f}"
-            if row["speedup_vs_baseline"]:
-                text += f"  ({row['speedup_vs_baseline']:.2f}× rung 0)"
-            speed_axis.text(row["tokens_per_sec"], position, text, va="center", fontsize=9)
-    speed_axis.set_xlim(0, top_speed * 1.45)
-    speed_axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
-    speed_axis.set_xlabel("training tokens per second (median; rung 11: all GPUs)")
-    speed_axis.set_title("Throughput per rung (higher is better)")
-    speed_axis.set_yticks(positions, labels)
-    speed_axis.invert_yaxis()  # rung 0 on top
-
-    reserved = [row["peak_reserved_gb"] for row in rows]
-    if any(value is not None for value in reserved):
-        memory_axis.barh(positions, [value or 0 for value in reserved], color=colors)
-        top_memory = max(value or 0 for value in reserved) or 1
-        for position, value in zip(positions, reserved):
-            memory_axis.text(value or 0, position, " n/a" if value is None else f" {value:.2f}", va="center",
-                             fontsize=9)
-        memory_axis.set_xlim(0, top_memory * 1.25)
-    else:
-        memory_axis.text(0.5, 0.5, "no GPU memory statistics\n(this run was on a CPU)", ha="center",
-                         va="center", transform=memory_axis.transAxes, fontsize=11, color="gray")
-        memory_axis.set_xticks([])
-    memory_axis.set_xlabel("peak reserved GPU memory, GiB (rung 11: rank 0)")
-    memory_axis.set_title("GPU memory per rung (lower is better)")
-
-    figure.suptitle(f"Benchmark ladder on {report['device_name']}{' (--tiny)' if report['settings']['tiny'] else ''}"
-                    f" | PyTorch {report['torch']} | {report['date']}", fontsize=11)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 # ---------------------------------------------------------------------------------------------

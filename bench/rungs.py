@@ -1,17 +1,19 @@
 """The rungs of the benchmark ladder, composed from the stage scripts' own code.
 
 Rung 0 is 00_orig.py, rung 10 is 01_opt_single_gpu.py, and rung k (1 to 9) is rung k-1 plus
-optimization k of SPEC.md. No rung has a model of its own: each one loads fresh copies of 00 and 01
-as modules and picks its parts from them (model classes, config dicts, data loader, loss function),
-wired in the order 01's main() wires them. The one part neither stage has is rung 1's attention
-(stage 00's hand-written attention, but with the causal mask made at each call): it is below.
+optimization k, numbered as in the README's "The ten optimizations of stage 01". No rung has a model of
+its own: each one loads fresh copies of 00 and 01 as modules and picks its parts from them (model classes,
+config dicts, data loader, loss function), wired in the order 01's main() wires them. The one part neither
+stage has is rung 1's attention (stage 00's hand-written attention, but with the causal mask made at each
+call): it is below.
 
 Why one timing loop for every rung 0..10 instead of running 00 and 01 themselves for rungs 0 and 10:
 the scripts log at evaluation points, leave only their first interval out as warm-up and evaluate
 between intervals, so their clock differs from what a composed rung could use. Measuring all eleven
 single-process rungs with the same loop (same corpus, seed, batch order, warm-up and timing windows,
-nothing but training steps on the clock) makes every ratio between two rungs a clean one. Rung 11
-(DDP, several processes) cannot be composed that way; ladder.py runs the real 02 under torchrun.
+nothing but training steps on the clock) makes every ratio between two rungs a clean one. Rungs 11
+(DDP) and 12 (FSDP2) need several processes and cannot be composed that way; ladder.py runs the real 02
+and 03 under torchrun.
 """
 
 import importlib.util
@@ -31,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGE_00 = "00_orig.py"
 STAGE_01 = "01_opt_single_gpu.py"
 STAGE_02 = "02_opt_multi_gpu_ddp.py"
+STAGE_03 = "03_opt_multi_gpu_fsdp.py"
 
-# The step each rung adds, in SPEC.md's order and with its numbers.
+# The step each rung adds, in the README's order and with its numbers.
 CHANGES = {
     0: "baseline: 00_orig.py as it is",
     1: "causal mask made on the fly",
@@ -46,9 +49,11 @@ CHANGES = {
     9: "vocabulary padded to 50,304",
     10: "larger batch: 01_opt_single_gpu.py as it is",
     11: "DDP on every GPU: 02_opt_multi_gpu_ddp.py",
+    12: "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py",
 }
 SINGLE_PROCESS_RUNGS = range(0, 11)
-ALL_RUNGS = range(0, 12)
+MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
+ALL_RUNGS = range(0, 13)
 
 _load_counter = itertools.count()
 
@@ -170,32 +175,53 @@ class _CommonWithoutAutocast:
         return None
 
 
-def model_config(number, tiny, stage00, stage01):
-    """The model config dict of rung `number`: step 9 (the padded vocabulary) comes with 01's."""
+def model_config(number, tiny, stage00, stage01, model="gpt2-small"):
+    """The model config dict of rung `number` at size `model`, picked as the stages pick it (--tiny wins):
+    step 9 (the padded vocabulary) comes with 01's."""
     stage = stage01 if number >= 9 else stage00
-    return dict(stage.TINY_CONFIG if tiny else stage.GPT_CONFIG_124M)
+    return dict(stage.TINY_CONFIG) if tiny else {**stage.GPT_CONFIG_124M, **common.MODEL_SIZES[model]}
 
 
-def training_settings(number, tiny, stage00, stage01):
-    """The settings dict (batch size, learning rate...) of rung `number`: step 10 comes with 01's."""
+def training_settings(number, tiny, stage00, stage01, batch_size=None):
+    """The settings dict (batch size, learning rate...) of rung `number`: step 10 comes with 01's.
+    `batch_size` replaces the stage's own, as the stages' --batch-size does."""
     stage = stage01 if number >= 10 else stage00
-    return dict(stage.TINY_SETTINGS if tiny else stage.OTHER_SETTINGS)
+    settings = dict(stage.TINY_SETTINGS if tiny else stage.OTHER_SETTINGS)
+    if batch_size is not None:
+        settings["batch_size"] = batch_size
+    return settings
 
 
-def compose(number, device, tiny, seed=123):
-    """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01."""
+def batch_size_note(batch_size, stage_batch_size):
+    """The note of a row whose batch --batch-size changed, or None where it is the stage's own."""
+    if batch_size is None or batch_size == stage_batch_size:
+        return None
+    return f"batch {batch_size} set by --batch-size (the stage's own: {stage_batch_size})"
+
+
+def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None):
+    """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01.
+
+    `model` is one of common.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
+    replaces every rung's batch (--batch-size of bench/ladder.py)."""
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
-    cfg = model_config(number, tiny, stage00, stage01)
-    settings = training_settings(number, tiny, stage00, stage01)
+    cfg = model_config(number, tiny, stage00, stage01, model)
+    settings = training_settings(number, tiny, stage00, stage01, batch_size)
     notes = []
     if number == 9:
         notes.append(f"vocab {model_config(8, tiny, stage00, stage01)['vocab_size']:,} -> {cfg['vocab_size']:,}")
-    if number == 10:
+    own_batch = training_settings(number, tiny, stage00, stage01)["batch_size"]
+    if number == 10 and batch_size is not None:
+        notes.append(f"--batch-size {batch_size} for every rung: step 10 (the larger batch) changes nothing here")
+    elif number == 10:
         before = training_settings(9, tiny, stage00, stage01)["batch_size"]
         notes.append(f"batch {before} -> {settings['batch_size']}"
                      + (" (--tiny keeps the stages' tiny batch)" if before == settings["batch_size"] else ""))
+    override = batch_size_note(batch_size, own_batch)
+    if override:
+        notes.append(override)
 
     # Steps 2 and 5, decided as 01's main() decides them.
     tensor_cores = common.has_tf32(device)
@@ -240,6 +266,82 @@ def compose(number, device, tiny, seed=123):
     scaler = torch.amp.GradScaler(device.type, enabled=autocasts and precision == "fp16")
     return Rung(number=number, device=device, cfg=cfg, settings=settings, precision=precision, model=model,
                 optimizer=optimizer, data_stage=data_stage, scaler=scaler, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# A rung for a GPU that need not be here (bench/roofline.py counts one step of it on the meta device)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelledRung:
+    """One rung as it would train on a described GPU: its model, optimizer and loss, built anywhere."""
+
+    number: int
+    cfg: dict
+    settings: dict
+    precision: str          # of its matmuls on that GPU: fp32, tf32, bf16 or fp16
+    autocast_dtype: object  # step 5 on that GPU: torch.bfloat16 or torch.float16, or None (no autocast)
+    compiled: bool          # step 8: forward, loss and backward would run as compiled graphs
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: object            # loss(inputs, targets): the stage's forward and loss lines, eager, without autocast
+
+    @property
+    def batch_size(self):
+        return self.settings["batch_size"]
+
+
+def stage_model(number, stage00, stage01):
+    """The stage module whose GPTModel is rung `number`'s, its globals swapped for the steps taken so far.
+
+    The same choice as compose's: from rung 7 on every model part is 01's; before that stage 00's GPTModel,
+    which looks its MultiHeadAttention, LayerNorm and GELU up among its module globals when it is built."""
+    if number >= 7:
+        return stage01
+    if number >= 1:
+        stage00.MultiHeadAttention = on_the_fly_mask_attention(stage00)
+    if number >= 6:
+        stage00.LayerNorm = native_layer_norm
+        stage00.GELU = native_gelu
+    return stage00
+
+
+def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-small", batch_size=None, seed=123):
+    """Rung `number` (0 to 10) as compose() builds it at full size, for a GPU described instead of present.
+
+    `has_tf32` and `autocast_precision` ("bf16", "fp16" or "fp32") are what common.has_tf32 and
+    common.autocast_precision would answer on that GPU, so steps 2 and 5 are decided as 01's main() decides them
+    there; step 3 is fused AdamW, which PyTorch has for CUDA. `device` is where the model is built (the meta device:
+    shapes and dtypes, no memory). Two steps are left to the caller, because they act on a GPU's tensors only:
+    `loss` runs the stage's lines eagerly and without autocast, and `autocast_dtype` and `compiled` say what
+    steps 5 and 8 add to it.
+    """
+    if number not in SINGLE_PROCESS_RUNGS:
+        raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
+    stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
+    cfg = model_config(number, False, stage00, stage01, model)
+    settings = training_settings(number, False, stage00, stage01, batch_size)
+    autocasts = number >= 5 and autocast_precision != "fp32"
+    precision = autocast_precision if autocasts else "tf32" if number >= 2 and has_tf32 else "fp32"
+    torch.manual_seed(seed)
+    with device:  # built in place: on the meta device nothing is allocated or initialized
+        net = stage_model(number, stage00, stage01).GPTModel(cfg)
+    net.train()
+    # Step 3. Before it, fused=None: on CUDA parameters PyTorch then takes its foreach implementation, asked for
+    # here by name (on the meta device its default would be the loop over tensors instead).
+    optimizer = torch.optim.AdamW(net.parameters(), lr=settings["learning_rate"],
+                                  weight_decay=settings["weight_decay"],
+                                  fused=True if number >= 3 else None, foreach=None if number >= 3 else True)
+    if number >= 4:  # 01's calc_loss_batch, less its copies to the GPU (step 4), autocast (5) and compile (8)
+        def loss(inputs, targets):
+            return stage01.forward_and_loss(net, inputs, targets)
+    else:
+        def loss(inputs, targets):
+            return stage00.calc_loss_batch(inputs, targets, net, device)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return ModelledRung(number=number, cfg=cfg, settings=settings, precision=precision,
+                        autocast_dtype=autocast_dtype, compiled=number >= 8, model=net, optimizer=optimizer,
+                        loss=loss)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,20 +1,24 @@
-"""bench/ladder.py: each rung is built from the stage scripts as documented, and a --tiny ladder runs.
+"""bench/ladder.py and bench/report.py: each rung is built from the stage scripts as documented, a --tiny ladder
+runs in two parts that merge into one table, and the report's table, chart and merge rules hold.
 
-The composition tests build the tiny models in this process (cheap). One --tiny ladder of every rung,
-with the fewest steps, runs once per session as a user would start it; one rung is made to fail on
-purpose through the LADDER_FAIL_RUNG testing hook, to check that the others still run.
+The composition tests build the tiny models in this process (cheap), and the report's tests work on hand-made
+rows. One --tiny ladder of rungs 0 to 11, with the fewest steps, runs once per module as a user would start it,
+in two parts into one folder; in the first, two rungs are made to fail on purpose through the LADDER_FAIL_RUNG
+testing hook, to check that the others still run and that the second part's rung 11 replaces the failed row.
+Rung 12 runs in the same function as rung 11 and is left out of it to keep the suite short.
 """
 
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 
-from bench import ladder, rungs
-from conftest import ROOT, run_script
+from bench import ladder, report, rungs
+from conftest import run_script
 
 CPU = torch.device("cpu")
 FAILING_RUNG = 3  # made to fail on purpose in the end-to-end run
@@ -131,12 +135,63 @@ def test_rungs_8_to_10_compile_and_pad_the_vocabulary(composed):
     assert composed[10].cfg == composed[9].cfg
 
 
+
 def test_full_size_vocab_and_batch_come_from_the_stage_dicts():
     stage00, stage01 = rungs.load_stage(rungs.STAGE_00), rungs.load_stage(rungs.STAGE_01)
     vocab = {n: rungs.model_config(n, False, stage00, stage01)["vocab_size"] for n in (8, 9)}
     batch = {n: rungs.training_settings(n, False, stage00, stage01)["batch_size"] for n in (9, 10)}
     assert vocab == {8: 50257, 9: 50304}
     assert batch == {9: 8, 10: 32}
+    medium = rungs.model_config(9, False, stage00, stage01, model="gpt2-medium")
+    assert (medium["emb_dim"], medium["n_layers"], medium["n_heads"], medium["vocab_size"]) == (1024, 24, 16, 50304)
+    assert rungs.model_config(9, True, stage00, stage01, model="gpt2-xl") == stage01.TINY_CONFIG  # --tiny wins
+    assert rungs.training_settings(3, False, stage00, stage01, batch_size=4)["batch_size"] == 4
+
+
+def test_batch_size_overrides_a_rung_and_its_row_says_so():
+    rung = rungs.compose(10, CPU, tiny=True, batch_size=2)
+    assert rung.batch_size == 2
+    assert any("--batch-size 2 for every rung" in note for note in rung.notes)
+    assert "batch 2 set by --batch-size (the stage's own: 4)" in rung.notes
+    assert rungs.batch_size_note(4, 4) is None and rungs.batch_size_note(None, 32) is None
+
+
+def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
+    args = argparse.Namespace(data="shakespeare", device="cpu", seed=1, model="gpt2-medium", tiny=False,
+                              batch_size=8, warmup=1, steps=2, windows=2)
+    flags = list(map(str, ladder.script_flags(args, tmp_path / "run", max_steps=4, window=1)))
+    assert flags[flags.index("--model") + 1] == "gpt2-medium" and flags[flags.index("--batch-size") + 1] == "8"
+    assert flags[flags.index("--out") + 1] == str(tmp_path / "run")
+    worker = list(map(str, ladder.worker_command(args, "--run-rung", 3)))
+    assert worker[worker.index("--model") + 1] == "gpt2-medium" and worker[worker.index("--batch-size") + 1] == "8"
+
+
+def test_a_missing_stage_script_is_a_failed_row(tmp_path, monkeypatch):
+    monkeypatch.setitem(rungs.MULTI_PROCESS_RUNGS, 12, "03_not_written_yet.py")
+    args = argparse.Namespace(tiny=True, batch_size=None)
+    row = ladder.run_multi_process_rung(12, args, {"device_type": "cpu", "gpu_count": 0}, tmp_path)
+    assert row["rung"] == 12 and row["error"] == "03_not_written_yet.py does not exist (yet)"
+    assert "does not exist" in (tmp_path / "rung-12.log").read_text()
+    assert rungs.CHANGES[12] == "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py" and 12 in report.SHORT_NAMES
+
+
+def test_a_failed_scripts_row_quotes_its_error_not_torchruns_summary():
+    torchrun_tail = ["Traceback (most recent call last):", "torch.OutOfMemoryError: CUDA out of memory.",
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60,
+                     "  exitcode  : 1 (pid: 17337)", "=" * 60]
+    quoted = ladder.failure_from_output(1, torchrun_tail, 60)
+    assert quoted == "exited with code 1: torch.OutOfMemoryError: CUDA out of memory."
+    assert ladder.failure_from_output(2, ["Data: ...", "error: no such file", "-" * 60], 60).endswith("no such file")
+    assert ladder.failure_from_output(None, [], 60) == "timed out after 60 s (--rung-timeout)"
+
+
+def test_a_script_run_keeps_no_checkpoint(tmp_path):
+    for name in ("metrics.json", "loss.png", "model.pth", ".run.lock"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "model.pth.state").mkdir()  # a sharded training state beside the checkpoint
+    (tmp_path / "model.pth.state" / "shard-0").write_text("x")
+    ladder.drop_checkpoints(tmp_path)
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["loss.png", "metrics.json"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,10 +201,11 @@ def test_full_size_vocab_and_batch_come_from_the_stage_dicts():
 def test_rung_selection_parsing():
     assert ladder.parse_rungs("0,8,10") == [0, 8, 10]
     assert ladder.parse_rungs("0-2, 10") == [0, 1, 2, 10]
-    assert ladder.parse_rungs("all") == list(range(12))
-    for wrong in ("12", "3-1", "x"):
+    assert ladder.parse_rungs("all") == list(range(13))
+    for wrong in ("13", "3-1", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             ladder.parse_rungs(wrong)
+    assert report.rung_ranges([0, 1, 2, 5, 11, 12]) == "0–2, 5, 11–12"
 
 
 def test_script_schedule_drops_the_warm_up_intervals():
@@ -203,26 +259,40 @@ def test_window_sizes_cover_every_step():
     assert rungs.window_sizes(2, 5) == [1, 1]
 
 
+def hand_made_rows(speeds, part="2026-01-01 00:00:00 UTC"):
+    """Complete rows for {rung: (tok/s or None, peak reserved GiB or None)}, as a GPU run would make them."""
+    rows = []
+    for number, (speed, reserved) in speeds.items():
+        row = {key: None for key in report.ROW_KEYS}
+        row.update(rung=number, tokens_per_sec=speed, peak_reserved_gb=reserved, batch_size=8,
+                   error=None if speed else "out of memory: OutOfMemoryError: CUDA out of memory")
+        if speed:
+            row.update(tokens_per_sec_min=speed * 0.9, tokens_per_sec_max=speed * 1.05, mfu=0.3, final_loss=9.5,
+                       peak_allocated_gb=reserved / 2)
+        rows.append(report.complete_row(row, 1.0, f"logs/rung-{number:02d}.log", part, part))
+    return rows
+
+
+def hand_made_part(speeds, started_at="2026-01-01 00:00:00 UTC", **differences):
+    """The report of one part as bench/ladder.py builds it before the merge; `differences` changes its header or
+    settings (torch="2.0", steps=5...)."""
+    settings = {"tiny": False, "model": "gpt2-small", "batch_size": None, "data": "shakespeare", "seed": 123,
+                "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda"}
+    part = {"device": "NVIDIA X (compute capability 9.0, CUDA 12.8)", "device_name": "NVIDIA X", "gpu_count": 1,
+            "driver": "570.00", "cuda": "12.8", "torch": "2.9.0", "python": "3.12", "date": started_at,
+            "settings": settings, "reference_source": report.REFERENCE_SOURCE,
+            "parts": [{"started_at": started_at, "command": "python bench/ladder.py", "git": "abc1234",
+                       "rungs": sorted(speeds), "seconds": 60}],
+            "rungs": hand_made_rows(speeds, started_at)}
+    for key, value in differences.items():
+        (settings if key in settings else part)[key] = value
+    return part
+
+
 def synthetic_gpu_report():
     """A report as a GPU run would make it (memory figures, a failed rung), without a GPU."""
-    rows = []
-    for number, speed, reserved, error in ((0, 12_000.0, 26.0, None), (1, 12_100.0, 25.9, None),
-                                           (2, None, None, "out of memory: OutOfMemoryError: CUDA out of memory"),
-                                           (3, 27_000.0, 25.9, None)):
-        row = {key: None for key in ladder.ROW_KEYS}
-        row.update(rung=number, tokens_per_sec=speed, error=error, peak_reserved_gb=reserved)
-        if speed:
-            row.update(tokens_per_sec_min=speed * 0.99, tokens_per_sec_max=speed * 1.01, mfu=0.3, final_loss=9.5,
-                       peak_allocated_gb=reserved / 2)
-        rows.append(row)
-    rows = [ladder.complete_row(row, 1.0, ROOT / "logs", ROOT) for row in rows]
-    ladder.add_comparisons(rows)
-    return {"device": "NVIDIA X (compute capability 9.0, CUDA 12.8)", "device_name": "NVIDIA X", "gpu_count": 1,
-            "driver": "570.00", "cuda": "12.8", "torch": "2.9.0", "python": "3.12", "date": "2026-01-01 00:00 UTC",
-            "git": "abc1234", "command": "python bench/ladder.py",
-            "settings": {"tiny": False, "data": "shakespeare", "seed": 123, "warmup_steps": 10, "steps": 30,
-                         "windows": 5, "device": "auto"},
-            "reference_source": ladder.REFERENCE_SOURCE, "rungs": rows}
+    return report.merge(None, hand_made_part({0: (12_000.0, 26.0), 1: (12_100.0, 25.9), 2: (None, None),
+                                              3: (27_000.0, 25.9)}))
 
 
 def test_comparisons_skip_a_failed_neighbour():
@@ -233,12 +303,123 @@ def test_comparisons_skip_a_failed_neighbour():
 
 
 def test_gpu_report_renders(tmp_path):
-    report = synthetic_gpu_report()
-    markdown = ladder.render_markdown(report)
+    markdown = report.write_report(synthetic_gpu_report(), tmp_path)
     assert "| 2 | TF32 tensor cores | — |" in markdown and "**failed:** out of memory" in markdown
     assert "25.90" in markdown and "570.00" in markdown and "original tutorial, 1x A100, PyTorch 2.6" in markdown
-    ladder.plot_ladder(report, tmp_path / "ladder.png")
+    assert "| 2026-01-01 00:00 |" in markdown  # when each row was measured
     assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "ladder.json").read_text())["rungs"][0]["measured_at"] == "2026-01-01 00:00:00 UTC"
+
+
+def test_a_part_replaces_the_rows_of_the_rungs_it_measured_again():
+    first = hand_made_part({0: (100.0, 1.0), 1: (110.0, 1.0), 2: (120.0, 1.0)}, "2026-01-01 10:00:00 UTC")
+    second = hand_made_part({2: (150.0, 1.0), 3: (200.0, 1.0)}, "2026-01-02 10:00:00 UTC", driver="580.00")
+    merged = report.merge(report.merge(None, first), second)
+    rows = {row["rung"]: row for row in merged["rungs"]}
+    assert sorted(rows) == [0, 1, 2, 3]
+    assert rows[2]["tokens_per_sec"] == 150.0 and rows[2]["measured_at"] == "2026-01-02 10:00:00 UTC"
+    assert rows[1]["measured_at"] == "2026-01-01 10:00:00 UTC"
+    assert rows[2]["speedup_vs_previous"] == pytest.approx(150 / 110) and rows[2]["previous_rung"] == 1
+    assert [part["started_at"] for part in merged["parts"]] == ["2026-01-01 10:00:00 UTC", "2026-01-02 10:00:00 UTC"]
+    assert merged["driver"] == "580.00"  # the header is the newest part's
+    # a part that measured all of an older part's rungs again leaves no trace of it
+    third = hand_made_part({0: (90.0, 1.0), 1: (95.0, 1.0)}, "2026-01-03 10:00:00 UTC")
+    assert [part["started_at"] for part in report.merge(merged, third)["parts"]] == ["2026-01-02 10:00:00 UTC",
+                                                                                       "2026-01-03 10:00:00 UTC"]
+    # a rung stopped by Ctrl-C replaces no measured row, but is shown where there was none
+    stopped = hand_made_part({}, "2026-01-04 10:00:00 UTC")
+    stopped["rungs"] = [report.complete_row({"rung": number, "error": report.INTERRUPTED}, 1.0, "log",
+                                            "2026-01-04 10:00:01 UTC", "2026-01-04 10:00:00 UTC") for number in (3, 4)]
+    after = {row["rung"]: row for row in report.merge(merged, stopped)["rungs"]}
+    assert after[3]["tokens_per_sec"] == 200.0 and after[4]["error"] == report.INTERRUPTED
+
+
+def test_a_part_measured_otherwise_is_refused(tmp_path):
+    existing = hand_made_part({0: (100.0, 1.0)})
+    assert report.differences(existing, hand_made_part({1: (110.0, 1.0)}, driver="580.00")) == []
+    for change, named in ((dict(torch="2.11.0"), "PyTorch: 2.9.0 there, 2.11.0 here"),
+                          (dict(device_name="NVIDIA Y"), "device: NVIDIA X there, NVIDIA Y here"),
+                          (dict(steps=10), "--steps: 30 there, 10 here"), (dict(warmup_steps=2), "--warmup"),
+                          (dict(batch_size=16), "--batch-size: the stages' own there, 16 here"),
+                          (dict(model="gpt2-medium"), "--model: gpt2-small there, gpt2-medium here"),
+                          (dict(tiny=True), "--tiny"), (dict(data="middlemarch"), "--data"), (dict(seed=1), "--seed")):
+        with pytest.raises(report.UsageError, match="holds rungs measured otherwise") as refused:
+            report.refuse_a_different_part(existing, hand_made_part({1: (110.0, 1.0)}, **change), "ladder.json")
+        assert named in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_ladder_refuses_a_part_measured_otherwise_and_writes_nothing(tmp_path, small_text):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ladder.json").write_text(json.dumps(hand_made_part({0: (100.0, 1.0)}, torch="1.0.0")))
+    before = (out / "ladder.json").read_bytes()
+    done = run_script("bench/ladder.py", "--tiny", "--rungs", "0", "--data", small_text, "--out", out)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and "PyTorch: 1.0.0 there" in done.stderr
+    assert (out / "ladder.json").read_bytes() == before and sorted(path.name for path in out.iterdir()) == [
+        "ladder.json"]
+
+
+def test_ratios_name_the_rung_they_compare_with():
+    merged = report.merge(None, hand_made_part({0: (100.0, 1.0), 5: (200.0, 1.0), 8: (300.0, 1.0)}))
+    rows = {row["rung"]: row for row in merged["rungs"]}
+    assert report.ratio_label(rows[5]) == "2.00× rung 0"
+    assert report.ratio_label(rows[8]) == "1.50× rung 5 · 3.00× rung 0"
+    markdown = report.render_markdown(merged)
+    assert "| 1.50× rung 5 |" in markdown and "prev." not in markdown
+    alone = report.merge(None, hand_made_part({5: (200.0, 1.0), 8: (300.0, 1.0)}))  # no rung 0 in the table
+    assert report.ratio_label(alone["rungs"][1]) == "1.50× rung 5"
+
+
+def test_whiskers_reach_the_slowest_and_the_fastest_window():
+    rows = synthetic_gpu_report()["rungs"]  # windows from 0.9 to 1.05 times the median; rung 2 failed
+    below, above = report.whisker_extents(rows)
+    assert below[0] == pytest.approx(1_200) and above[0] == pytest.approx(600)
+    assert below[2] == above[2] == 0
+
+
+def test_reference_cells_say_when_the_batch_is_not_theirs():
+    settings = {"tiny": False}
+    row = hand_made_rows({10: (100.0, 1.0)})[0]  # batch 8 against the reference's 32
+    assert report.reference_cells(row, settings) == ("142,156 (at batch 32)", "22.51 (at batch 32)")
+    row = hand_made_rows({3: (100.0, 1.0)})[0]
+    assert report.reference_cells(row, settings) == ("28,399", "26.24")
+
+
+def test_a_roofline_for_the_same_gpu_adds_a_ceiling_column(tmp_path):
+    roofline = {"gpu": "H100", "model": "gpt2-small", "batch_size": None,
+                "rungs": [{"rung": 0, "ceiling_tok_per_sec": 24_000.0, "classes": {"matmul": {"flops": 1.0}}},
+                          {"rung": 3, "ceiling_tok_per_sec": 90_000.0, "classes": {}}]}
+    (tmp_path / "roofline.json").write_text(json.dumps(roofline))
+    merged = synthetic_gpu_report()
+    merged["device_name"] = "NVIDIA H100 80GB HBM3"
+    settings = merged["settings"]
+    found = report.find_roofline(tmp_path, None, merged["device_name"], settings)
+    markdown = report.write_report(merged, tmp_path, found, chart=False)
+    assert "| measured / ceiling |" in markdown and "| 50% of 24,000 |" in markdown and "| 30% of 90,000 |" in markdown
+    assert json.loads((tmp_path / "ladder.json").read_text())["rungs"][0]["fraction_of_ceiling"] == pytest.approx(0.5)
+    # another GPU's or batch's roofline: left out when it merely lies in the folder, refused when asked for
+    said = []
+    assert report.find_roofline(tmp_path, None, "NVIDIA H100 PCIe", settings, say=said.append) is None
+    assert "models the H100, not the NVIDIA H100 PCIe" in said[0]
+    assert report.find_roofline(tmp_path, None, merged["device_name"], {**settings, "batch_size": 8},
+                                say=said.append) is None and "--batch-size" in said[1]
+    with pytest.raises(report.UsageError, match="models the H100"):
+        report.find_roofline(tmp_path, tmp_path / "roofline.json", "NVIDIA A100-SXM4-80GB", settings)
+    assert "ceiling" not in report.render_markdown(report.merge(None, hand_made_part({0: (1.0, 1.0)})))
+
+
+def test_report_py_rebuilds_a_table_with_the_ceiling_beside_it(tmp_path, capsys):
+    merged = synthetic_gpu_report()
+    merged["device_name"] = "NVIDIA H100 80GB HBM3"
+    report.write_report(merged, tmp_path, chart=False)
+    assert "ceiling" not in (tmp_path / "ladder.md").read_text()
+    roofline = {"gpu": "H100", "rungs": [{"rung": 0, "ceiling_tok_per_sec": 48_000.0, "classes": {}}]}
+    (tmp_path / "roofline.json").write_text(json.dumps(roofline))
+    assert report.main([str(tmp_path)]) == 0
+    assert "| 25% of 48,000 |" in (tmp_path / "ladder.md").read_text() and (tmp_path / "ladder.png").exists()
+    assert report.main([str(tmp_path / "nothing here")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_a_wrong_corpus_is_a_usage_error(tmp_path):
@@ -249,49 +430,77 @@ def test_a_wrong_corpus_is_a_usage_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# End to end: every rung, --tiny, the fewest steps
+# End to end: rungs 0 to 11, --tiny, the fewest steps, in two parts into one folder
 # ---------------------------------------------------------------------------------------------
+
+FAILED_IN_THE_FIRST_PART = (FAILING_RUNG, 11)  # rung 11's failure is instant: the hook skips its run
+
 
 @pytest.fixture(scope="module")
 def tiny_ladder(tmp_path_factory):
+    """Part 1: rungs 0-5 and 11 (3 and 11 failing on purpose); part 2: rungs 6-11 into the same folder. Both at
+    --batch-size 2 (the stages' tiny batch is 4), which every row then notes."""
     from data import load_text
 
     folder = tmp_path_factory.mktemp("ladder")
     corpus = folder / "small.txt"
     corpus.write_text(load_text("shakespeare")[:60_000], encoding="utf-8")  # tokenizes in no time
     out = folder / "out"
-    done = run_script("bench/ladder.py", "--tiny", "--warmup", "1", "--steps", "2", "--data", corpus,
-                      "--out", out, env={"LADDER_FAIL_RUNG": str(FAILING_RUNG)}, timeout=900)
-    report = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else None
-    return done, out, report
+    flags = ("bench/ladder.py", "--tiny", "--warmup", "1", "--steps", "2", "--batch-size", "2", "--data", corpus,
+             "--out", out)
+    failing = ",".join(map(str, FAILED_IN_THE_FIRST_PART))
+    first = run_script(*flags, "--rungs", "0-5,11", env={"LADDER_FAIL_RUNG": failing}, timeout=900)
+    after_first = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else None
+    second = run_script(*flags, "--rungs", "6-11", timeout=900)
+    merged = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else None
+    return first, second, out, after_first, merged
 
 
 def test_ladder_writes_the_three_files_and_the_logs(tiny_ladder):
-    done, out, report = tiny_ladder
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for key in ("device", "torch", "date", "rungs"):
-        assert key in report
-    assert [row["rung"] for row in report["rungs"]] == list(range(12))
-    for row in report["rungs"]:
-        for key in ladder.ROW_KEYS:
+    first, second, out, _, merged = tiny_ladder
+    for done in (first, second):
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for key in ("device", "torch", "date", "settings", "parts", "rungs"):
+        assert key in merged
+    assert [row["rung"] for row in merged["rungs"]] == list(range(12))
+    for row in merged["rungs"]:
+        for key in report.ROW_KEYS:
             assert key in row, (row["rung"], key)
         assert (out / "logs" / f"rung-{row['rung']:02d}.log").exists()
     markdown = (out / "ladder.md").read_text()
     assert markdown.count("\n| ") == 14  # header, separator and one row per rung
     assert "original tutorial, 1x A100, PyTorch 2.6" in markdown and "PyTorch: " in markdown
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[12/12] rung 11" in done.stdout and "left" in done.stdout  # progress lines
+    assert "[6/6] rung 11" in second.stdout and "left" in second.stdout  # progress lines
 
 
-def test_every_working_rung_is_measured(tiny_ladder):
-    _, _, report = tiny_ladder
-    for row in report["rungs"]:
+def test_the_parts_merge_into_one_table(tiny_ladder):
+    _, _, out, after_first, merged = tiny_ladder
+    assert [row["rung"] for row in after_first["rungs"]] == [0, 1, 2, 3, 4, 5, 11]
+    first_start, second_start = (part["started_at"] for part in merged["parts"])
+    rows = {row["rung"]: row for row in merged["rungs"]}
+    assert "LADDER_FAIL_RUNG" in after_first["rungs"][-1]["error"]  # rung 11 after part 1 ...
+    assert rows[11]["error"] is None and rows[11]["measured_at"] > second_start  # ... replaced by part 2's
+    assert all(first_start < rows[number]["measured_at"] < second_start for number in range(6))
+    assert rows[6]["previous_rung"] == 5 and rows[6]["speedup_vs_previous"] > 0  # compared across the parts
+    assert merged["settings"]["batch_size"] == 2 and merged["settings"]["model"] == "gpt2-small"
+    markdown = (out / "ladder.md").read_text()
+    assert "Measured in 2 part(s)" in markdown and "--rungs 0-5,11" in markdown and "--rungs 6-11" in markdown
+    for line in markdown.splitlines():
+        if line.startswith("| ") and line.split(" | ")[0][2:].isdigit():
+            assert re.search(r"\| \d{4}-\d\d-\d\d \d\d:\d\d \|", line), line  # every row dated
+
+
+def test_every_working_rung_is_measured_at_the_asked_batch(tiny_ladder):
+    _, _, _, _, merged = tiny_ladder
+    for row in merged["rungs"]:
         if row["rung"] == FAILING_RUNG:
             continue
         assert row["error"] is None, row
         assert 0 < row["tokens_per_sec_min"] <= row["tokens_per_sec"] <= row["tokens_per_sec_max"], row
         assert row["peak_reserved_gb"] is None and row["mfu"] is None  # CPU: no GPU memory, no known peak
-    rows = {row["rung"]: row for row in report["rungs"]}
+        assert row["batch_size"] == 2 and "batch 2 set by --batch-size (the stage's own: 4)" in row["notes"], row
+    rows = {row["rung"]: row for row in merged["rungs"]}
     assert math.isfinite(rows[0]["final_loss"]) and math.isfinite(rows[10]["final_loss"])
     assert rows[1]["final_loss"] == pytest.approx(rows[0]["final_loss"], abs=1e-5)  # step 1 changes no math
     assert rows[0]["speedup_vs_baseline"] == pytest.approx(1.0)
@@ -299,10 +508,18 @@ def test_every_working_rung_is_measured(tiny_ladder):
 
 
 def test_a_failing_rung_is_reported_on_its_row(tiny_ladder):
-    done, _, report = tiny_ladder
-    rows = {row["rung"]: row for row in report["rungs"]}
+    first, _, _, _, merged = tiny_ladder
+    rows = {row["rung"]: row for row in merged["rungs"]}
     failed = rows[FAILING_RUNG]
     assert "LADDER_FAIL_RUNG" in failed["error"] and failed["tokens_per_sec"] is None
     assert rows[FAILING_RUNG + 1]["speedup_vs_previous"] is None  # no comparison across the failure
     assert rows[FAILING_RUNG + 1]["tokens_per_sec"] > 0  # and the ladder went on
-    assert f"rung {FAILING_RUNG} FAILED" in done.stdout
+    assert f"rung {FAILING_RUNG} FAILED" in first.stdout
+
+
+def test_rung_11_writes_into_the_results_folder_and_keeps_no_checkpoint(tiny_ladder):
+    _, _, out, _, merged = tiny_ladder
+    run_folder = out / "logs" / "rung-11-run"
+    assert {row["rung"]: row for row in merged["rungs"]}[11]["run_folder"] == "logs/rung-11-run"
+    assert sorted(path.name for path in run_folder.iterdir()) == sorted(ladder.KEPT_FROM_SCRIPT_RUNS)
+    assert json.loads((run_folder / "metrics.json").read_text())["settings"]["batch_size"] == 2

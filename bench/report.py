@@ -1,0 +1,530 @@
+"""The ladder's report: its parts merged, then the table (ladder.md), numbers (ladder.json) and chart (ladder.png).
+
+bench/ladder.py measures rungs; this file turns their rows into those three files. A ladder can be measured in
+parts into one results folder (--rungs 0-5, then --rungs 6-12): each part is merged into what the folder holds,
+its rows replacing the rows of the same rungs, and a part measured on another device, with another PyTorch or
+with other settings is refused, since its numbers would not compare with the rest of the table.
+
+When a roofline.json that bench/roofline.py wrote for the same GPU lies in the results folder (or --roofline
+names one), the table gains a column: each rung's measured tok/s over the ceiling modelled for it.
+
+Run alone, it rebuilds ladder.md, ladder.json and ladder.png from the ladder.json a folder holds, with no rung
+run again (after roofline.json was written beside it, or after a part was stopped before its chart):
+
+  python bench/report.py bench/results/nvidia-h100-80gb-hbm3
+  python bench/report.py RESULTS_FOLDER --roofline path/to/roofline.json
+"""
+
+import argparse
+import json
+import re
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # common and data, wherever the script is started from
+
+import common  # noqa: E402  (needs the path above; imports no torch)
+from data import UsageError, files  # noqa: E402
+
+# The original tutorial's figures, one A100 (rung 11: four), PyTorch 2.6: its README's "Avg tok/sec"
+# for steps 0 to 7 and "Step tok/sec" at the end of epoch 1 for 8 to 11 (all GPUs together for 11),
+# and torch.cuda.memory_reserved() after the first epoch in GB (bytes / 1024**3, as here). It had no FSDP.
+REFERENCE_SOURCE = ("original tutorial, 1x A100, PyTorch 2.6 (rung 11: 4x A100): Sebastian Raschka, "
+                    "LLMs-from-scratch, ch05/10_llm-training-speed/README.md")
+REFERENCE = {
+    0: (12_525, 26.26), 1: (12_526, 26.24), 2: (27_648, 26.24), 3: (28_399, 26.24), 4: (28_402, 26.24),
+    5: (45_486, 13.79), 6: (55_256, 11.56), 7: (91_901, 5.90), 8: (112_046, 6.19), 9: (127_345, 5.89),
+    10: (142_156, 22.51), 11: (419_259, 22.80),
+}
+# Its batch per step and GPU: the reference figures compare only with rows of the same batch.
+REFERENCE_BATCH = {number: 8 if number < 10 else 32 for number in REFERENCE}
+
+# Short names for the chart's axis.
+SHORT_NAMES = {0: "baseline (00)", 1: "mask on the fly", 2: "TF32", 3: "fused AdamW", 4: "pinned memory",
+               5: "bf16 / fp16", 6: "native LN/GELU", 7: "SDPA + fused QKV", 8: "torch.compile", 9: "vocab 50,304",
+               10: "larger batch (01)", 11: "DDP (02)", 12: "FSDP2 (03)"}
+
+# The documented keys of a row, in this order; the details follow them.
+ROW_KEYS = ("rung", "change", "tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "speedup_vs_previous",
+            "speedup_vs_baseline", "mfu", "peak_allocated_gb", "peak_reserved_gb", "final_loss", "error",
+            "measured_at")
+INTERRUPTED = "interrupted"  # the error of a rung stopped by Ctrl-C: such a row replaces no measured one
+
+# What must be the same in two parts for their rows to share a table, and how the refusal names it.
+MATCHED_FIELDS = {"device_name": "device", "gpu_count": "visible GPUs", "torch": "PyTorch", "cuda": "CUDA"}
+MATCHED_SETTINGS = {"device": "device", "model": "--model", "tiny": "--tiny", "batch_size": "--batch-size",
+                    "data": "--data", "seed": "--seed", "warmup_steps": "--warmup", "steps": "--steps",
+                    "windows": "--windows"}
+ROOFLINE_NAME = "roofline.json"
+
+
+def timestamp(moment=None):
+    """A UTC time as the report writes it; such strings sort in time order."""
+    return (moment or datetime.now(timezone.utc)).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def write_json(obj, path):
+    files.write_atomically(path, (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+# ---------------------------------------------------------------------------------------------
+
+def complete_row(row, seconds, log, measured_at, part):
+    """A rung's result as the report keeps it: the documented keys first, then the details, the reference figures,
+    when it was measured and by which part (the part's start time)."""
+    from bench.rungs import CHANGES
+
+    number = row["rung"]
+    full = {key: row.get(key) for key in ROW_KEYS}
+    full["change"] = CHANGES[number]
+    full.update({key: value for key, value in row.items() if key not in full})
+    full.update(seconds=round(seconds, 1), measured_at=measured_at, part=part, log=log)
+    if row.get("windows_cross_epochs"):
+        full["notes"] = [*(row.get("notes") or []), f"epochs of {row.get('steps_per_epoch')} steps are shorter "
+                         "than a window: every window crosses an epoch boundary"]
+    reference_speed, reference_reserved = REFERENCE.get(number, (None, None))
+    full["reference"] = {"tokens_per_sec": reference_speed, "reserved_gb": reference_reserved,
+                         "batch_size": REFERENCE_BATCH.get(number)}
+    return full
+
+
+def add_comparisons(rows):
+    """Speed-ups over the row above (when both were measured) and over rung 0 (when it is in the table).
+
+    The row above is the rung just before only when every rung was measured: `previous_rung` names it."""
+    baseline = next((row for row in rows if row["rung"] == 0 and row.get("tokens_per_sec")), None)
+    previous = None
+    for row in rows:
+        speed = row.get("tokens_per_sec")
+        row["previous_rung"] = previous["rung"] if previous else None
+        row["speedup_vs_previous"] = (speed / previous["tokens_per_sec"]
+                                      if speed and previous and previous.get("tokens_per_sec") else None)
+        row["speedup_vs_baseline"] = speed / baseline["tokens_per_sec"] if speed and baseline else None
+        previous = row
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging a part into the results folder
+# ---------------------------------------------------------------------------------------------
+
+def read_report(path):
+    """The report a results folder holds, or None when there is none yet; a UsageError when it cannot be read."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        if not (isinstance(report.get("rungs"), list) and isinstance(report.get("settings"), dict)):
+            raise ValueError("no rungs or settings")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UsageError(f"{path} is not a ladder.json that a part can be merged into ({err}): move it away or "
+                         "choose another --out") from None
+    return report
+
+
+def differences(existing, part):
+    """What differs between the part measured now and the rungs a folder holds, as 'what: X there, Y here'."""
+    def shown(key, value):
+        if value is None:
+            return "the stages' own" if key == "batch_size" else "none"
+        return str(value)
+
+    found = []
+    for key, name in MATCHED_FIELDS.items():
+        if existing.get(key) != part.get(key):
+            found.append(f"{name}: {shown(key, existing.get(key))} there, {shown(key, part.get(key))} here")
+    for key, name in MATCHED_SETTINGS.items():
+        there, here = existing["settings"].get(key), part["settings"].get(key)
+        if there != here:
+            found.append(f"{name}: {shown(key, there)} there, {shown(key, here)} here")
+    return found
+
+
+def refuse_a_different_part(existing, part, path):
+    """A UsageError when the part measured now would not compare with the rungs already in `path`."""
+    found = differences(existing, part)
+    if found:
+        raise UsageError(f"{path} holds rungs measured otherwise ({'; '.join(found)}): a table merges only parts "
+                         "measured alike; run with the same settings or choose another --out")
+
+
+def merge(existing, part):
+    """Every rung measured so far: the rows of `part` replace the rows of `existing` for the same rungs.
+
+    The header (driver, date...) is the newest part's; a row stopped by Ctrl-C replaces nothing; a part of
+    which no row is left drops out of the list of parts; speed-ups are computed again over the merged rows."""
+    existing = existing or {"rungs": [], "parts": []}
+    rows = {row["rung"]: row for row in existing["rungs"]}
+    for row in part["rungs"]:
+        if row.get("error") == INTERRUPTED and row["rung"] in rows:
+            continue
+        rows[row["rung"]] = row
+    merged = {**part, "rungs": [rows[number] for number in sorted(rows)]}
+    owners = {row.get("part") for row in merged["rungs"]}
+    merged["parts"] = [entry for entry in existing.get("parts", []) + part["parts"] if entry["started_at"] in owners]
+    add_comparisons(merged["rungs"])
+
+    checks = {check["script"]: check for check in existing.get("script_checks", [])}
+    checks.update({check["script"]: check for check in part.get("script_checks", [])})
+    for check in checks.values():  # against the rung's row as it is now
+        rung_speed = rows[check["rung"]].get("tokens_per_sec") if check["rung"] in rows else None
+        check["rung_tokens_per_sec"] = rung_speed
+        check["script_over_rung"] = (check["tokens_per_sec"] / rung_speed
+                                     if check.get("tokens_per_sec") and rung_speed else None)
+    if checks:
+        merged["script_checks"] = list(checks.values())
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# The ceiling from bench/roofline.py
+# ---------------------------------------------------------------------------------------------
+
+def _peak_table_entry(name):
+    spelled = re.sub(r"[-_]+", " ", name)  # 'h100-pcie' names the same GPU as 'H100 PCIe'
+    patterns = (entry[0] for entry in common.PEAK_TFLOPS)  # each entry: the name's pattern, then its figures
+    return next((pattern for pattern in patterns if re.search(pattern, spelled, re.IGNORECASE)), None)
+
+
+def same_gpu(roofline_gpu, device_name):
+    """Whether the GPU a roofline models is the one measured: the same name once spelled alike, or the same row of
+    the peak table (so 'H100' and 'NVIDIA H100 80GB HBM3' match, 'H100 PCIe' and the SXM card do not)."""
+    def spelled(name):
+        return re.sub(r"[^a-z0-9]+", "-", str(name).lower()).strip("-")
+
+    if spelled(roofline_gpu) == spelled(device_name):
+        return True
+    entry = _peak_table_entry(str(roofline_gpu))
+    return entry is not None and entry == _peak_table_entry(str(device_name))
+
+
+def read_roofline(path):
+    """{'path', 'gpu', 'modelled', 'ceilings': {rung: tok/s}} from a roofline.json; ValueError when it is not one.
+    `modelled` holds the model and batch it was modelled at, where the file says."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        ceilings = {int(entry["rung"]): float(entry["ceiling_tok_per_sec"]) for entry in data["rungs"]
+                    if entry.get("ceiling_tok_per_sec") is not None}
+        modelled = {key: data[key] for key in ("model", "batch_size") if key in data}
+        return {"path": str(path), "gpu": str(data["gpu"]), "modelled": modelled, "ceilings": ceilings}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path} is not a roofline.json of bench/roofline.py ({type(err).__name__}: {err})") from None
+
+
+def roofline_mismatch(roofline, device_name, settings):
+    """Why a roofline does not model the rungs measured (another GPU, model or batch), or None when it does."""
+    if not same_gpu(roofline["gpu"], device_name):
+        return f"it models the {roofline['gpu']}, not the {device_name}"
+    if settings.get("tiny"):
+        return "it models the full-size model, the rungs ran --tiny"
+    for key, flag in (("model", "--model"), ("batch_size", "--batch-size")):
+        if key in roofline["modelled"] and roofline["modelled"][key] != settings.get(key):
+            return f"it models {flag} {roofline['modelled'][key]}, the rungs ran with {settings.get(key)}"
+    return None
+
+
+def find_roofline(out, explicit, device_name, settings, say=print):
+    """The roofline to set beside the rungs, or None.
+
+    `explicit` (--roofline) must be readable and model these rungs (a UsageError otherwise); a roofline.json in the
+    results folder is taken when it models them, and otherwise left out with a line saying why."""
+    if explicit:
+        try:
+            roofline = read_roofline(explicit)
+        except ValueError as err:
+            raise UsageError(f"--roofline: {err}") from None
+        why_not = roofline_mismatch(roofline, device_name, settings)
+        if why_not:
+            raise UsageError(f"--roofline {explicit} does not fit these rungs: {why_not}; give the one "
+                             "bench/roofline.py wrote for this GPU and these settings")
+        return roofline
+    path = Path(out) / ROOFLINE_NAME
+    if not path.exists():
+        return None
+    try:
+        roofline = read_roofline(path)
+    except ValueError as err:
+        say(f"No ceiling column: {err}")
+        return None
+    why_not = roofline_mismatch(roofline, device_name, settings)
+    if why_not:
+        say(f"No ceiling column: {path} does not fit these rungs: {why_not}")
+        return None
+    return roofline
+
+
+def attach_ceilings(report, roofline):
+    """Each row's ceiling and measured / ceiling, or no such keys at all without a roofline."""
+    report.pop("roofline", None)
+    for row in report["rungs"]:
+        row.pop("ceiling_tok_per_sec", None)
+        row.pop("fraction_of_ceiling", None)
+    if roofline is None:
+        return
+    report["roofline"] = {"path": roofline["path"], "gpu": roofline["gpu"]}
+    for row in report["rungs"]:
+        ceiling = roofline["ceilings"].get(row["rung"])
+        row["ceiling_tok_per_sec"] = ceiling
+        row["fraction_of_ceiling"] = row["tokens_per_sec"] / ceiling if ceiling and row["tokens_per_sec"] else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+def _number(value, digits=0, suffix=""):
+    return "—" if value is None else f"{value:,.{digits}f}{suffix}"
+
+
+def rung_ranges(numbers):
+    """[0, 1, 2, 5, 11, 12] -> '0–2, 5, 11–12'."""
+    ranges = []
+    for number in sorted(numbers):
+        if ranges and number == ranges[-1][1] + 1:
+            ranges[-1][1] = number
+        else:
+            ranges.append([number, number])
+    return ", ".join(str(first) if first == last else f"{first}–{last}" for first, last in ranges)
+
+
+def ratio_label(row):
+    """The row's speed-ups, each naming the rung it is measured against: '1.02× rung 5 · 2.31× rung 0'."""
+    parts = []
+    if row.get("speedup_vs_previous"):
+        parts.append(f"{row['speedup_vs_previous']:.2f}× rung {row['previous_rung']}")
+    if row.get("speedup_vs_baseline") and row["rung"] != 0 and row.get("previous_rung") != 0:
+        parts.append(f"{row['speedup_vs_baseline']:.2f}× rung 0")
+    return " · ".join(parts)
+
+
+def reference_cells(row, settings):
+    """The reference tok/s and reserved GB; where the row's batch is not the reference's, the cells say its batch."""
+    reference = row["reference"]
+    batch = row.get("batch_size")
+    other_batch = (not settings["tiny"] and batch is not None and reference.get("batch_size") is not None
+                   and batch != reference["batch_size"])
+    suffix = f" (at batch {reference['batch_size']})" if other_batch and reference["tokens_per_sec"] else ""
+    return _number(reference["tokens_per_sec"]) + suffix, _number(reference["reserved_gb"], 2) + suffix
+
+
+def describe_model(settings):
+    model = "the stages' --tiny model" if settings["tiny"] else settings.get("model", "gpt2-small")
+    batch = (f"--batch-size {settings['batch_size']} for every rung" if settings.get("batch_size")
+             else "each stage's own batch")
+    return f"{model}, {batch}"
+
+
+def render_markdown(report):
+    settings = report["settings"]
+    tiny = settings["tiny"]
+    rows = report["rungs"]
+    ceilings = report.get("roofline")
+    lines = [
+        f"# Benchmark ladder: {report['device_name']}" + (" (--tiny)" if tiny else ""),
+        "",
+        f"- Device: {report['device']}" + (f", {report['gpu_count']} visible" if report["gpu_count"] else ""),
+        f"- Driver: {report['driver'] or 'n/a'} | CUDA: {report['cuda'] or 'n/a'} | PyTorch: {report['torch']} "
+        f"| Python: {report['python']}",
+        f"- Model: {describe_model(settings)}",
+        f"- Measured in {len(report.get('parts', []))} part(s), each row dated in its \"measured\" column:",
+    ]
+    for part in report.get("parts", []):
+        owned = [row["rung"] for row in rows if row.get("part") == part["started_at"]]
+        lines.append(f"  - rungs {rung_ranges(owned)}: `{part['command']}`, started {part['started_at']}, "
+                     f"code {part['git'] or 'n/a'}")
+    lines += [
+        f"- Each rung: a fresh process, corpus `{settings['data']}`, seed {settings['seed']}, "
+        f"warm-up steps: {settings['warmup_steps']} (not timed), then {settings['steps']} steps timed in "
+        f"{settings['windows']} window(s) that leave out the first step of each epoch where epochs are long "
+        "enough; data loading on the clock, no evaluation.",
+        "",
+        "| rung | change | tok/s (median) | min – max | × row above | × rung 0 | MFU | peak alloc. GiB "
+        "| peak reserved GiB | final loss | " + ("measured / ceiling | " if ceilings else "")
+        + "reference tok/s | reference reserved GB | measured (UTC) | notes |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if ceilings else "")
+        + "---: | ---: | --- | --- |",
+    ]
+    for row in rows:
+        spread = ("—" if row["tokens_per_sec"] is None else
+                  f"{row['tokens_per_sec_min']:,.0f} – {row['tokens_per_sec_max']:,.0f}")
+        above = (f"{row['speedup_vs_previous']:.2f}× rung {row['previous_rung']}" if row["speedup_vs_previous"]
+                 else "—")
+        notes = list(row.get("notes") or [])
+        if row["error"]:
+            notes.insert(0, f"**failed:** {row['error']}")
+        cells = [
+            str(row["rung"]), row["change"], _number(row["tokens_per_sec"]), spread, above,
+            _number(row["speedup_vs_baseline"], 2, "×"),
+            _number(None if row["mfu"] is None else 100 * row["mfu"], 1, "%"),
+            _number(row["peak_allocated_gb"], 2), _number(row["peak_reserved_gb"], 2), _number(row["final_loss"], 3),
+        ]
+        if ceilings:
+            ceiling, fraction = row.get("ceiling_tok_per_sec"), row.get("fraction_of_ceiling")
+            cells.append("—" if ceiling is None else
+                         f"{'—' if fraction is None else f'{100 * fraction:.0f}%'} of {ceiling:,.0f}")
+        cells += [*reference_cells(row, settings), (row.get("measured_at") or "—")[:16],
+                  "; ".join(notes).replace("|", "\\|")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "tok/s: median over the timing windows (min – max beside it); rungs 11 and 12: all processes together, "
+        "from the stage's own per-interval `Step tok/sec` after the warm-up. × row above: over the row above in "
+        "this table, which the cell names (with a subset of rungs, not always the rung just before). "
+        "MFU: per GPU, against the dense peak of the rung's precision (fp32, TF32 from rung 2 on Ampere and "
+        "newer, bf16 from rung 5, fp16 on compute capability 7.x), FLOPs per token for the 50,257-token "
+        "vocabulary; none on a CPU. Memory: "
+        "`torch.cuda.max_memory_allocated/reserved` of the whole run (rungs 11 and 12: the stage's rank 0); none "
+        "on a CPU. Final loss: the last measured step's training loss (rungs 11 and 12: the stage's evaluation at "
+        "its last step).",
+        "",
+    ]
+    if ceilings:
+        lines += [f"Measured / ceiling: the rung's median tok/s over the ceiling that bench/roofline.py modelled "
+                  f"for it on the {ceilings['gpu']} (`{ceilings['path']}`).", ""]
+    not_comparable = ("for the full-size model, so not comparable with a --tiny run" if tiny else
+                      f"for gpt2-small, so not comparable with {settings['model']}"
+                      if settings.get("model", "gpt2-small") != "gpt2-small" else "")
+    lines += [
+        f"Reference columns: the {report['reference_source']}; steps 0–7 are its `Avg tok/sec`, 8–11 its "
+        "`Step tok/sec` at the end of epoch 1, reserved memory is `torch.cuda.memory_reserved()` after "
+        "epoch 1; it had no rung 12. Quoted, not measured here" + (f" — and {not_comparable}." if not_comparable
+                                                                     else ".")
+        + " They were taken at batch 8 for rungs 0–9 and 32 per GPU for 10–11: they compare only with a row of the "
+        "same batch, and where --batch-size made a row's batch another, its reference cells name the batch they "
+        "were taken at.",
+        "",
+    ]
+    if report.get("script_checks"):
+        lines += [
+            "Cross-check (`--check-scripts`): the stage scripts run as they are, with the same warm-up and "
+            "steps, timed by their own clock (their per-interval `Step tok/sec`, evaluation left out).",
+            "",
+            "| script | its own tok/s (median) | min – max | rung | rung tok/s | script / rung | notes |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for check in report["script_checks"]:
+            spread = ("—" if check["tokens_per_sec"] is None else
+                      f"{check['tokens_per_sec_min']:,.0f} – {check['tokens_per_sec_max']:,.0f}")
+            lines.append(f"| {check['script']} | {_number(check['tokens_per_sec'])} | {spread} | {check['rung']} | "
+                         f"{_number(check['rung_tokens_per_sec'])} | {_number(check['script_over_rung'], 2, '×')} | "
+                         + (f"**failed:** {check['error']}" if check["error"] else "") + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chart
+# ---------------------------------------------------------------------------------------------
+
+def whisker_extents(rows):
+    """How far each bar's whisker reaches below and above its median: to the slowest and the fastest timed window
+    (matplotlib's xerr); nothing for a failed rung."""
+    below = [row["tokens_per_sec"] - row["tokens_per_sec_min"] if row["tokens_per_sec"] else 0 for row in rows]
+    above = [row["tokens_per_sec_max"] - row["tokens_per_sec"] if row["tokens_per_sec"] else 0 for row in rows]
+    return below, above
+
+
+def plot_ladder(report, path):
+    """Two panels side by side: throughput per rung (median, whiskers from the slowest to the fastest window) and
+    peak reserved GPU memory per rung."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = report["rungs"]
+    labels = [f"{row['rung']}  {SHORT_NAMES[row['rung']]}" for row in rows]
+    positions = list(range(len(rows)))
+    colors = [{11: "tab:orange", 12: "tab:green"}.get(row["rung"], "tab:blue") for row in rows]
+    figure, (speed_axis, memory_axis) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2.2), sharey=True)
+
+    speeds = [row["tokens_per_sec"] or 0 for row in rows]
+    speed_axis.barh(positions, speeds, color=colors, xerr=whisker_extents(rows), capsize=3,
+                    error_kw={"elinewidth": 1, "ecolor": "black"})
+    top_speed = max([row["tokens_per_sec_max"] or 0 for row in rows] + speeds) or 1
+    for position, row in zip(positions, rows):
+        if row["tokens_per_sec"] is None:
+            speed_axis.text(top_speed * 0.01, position, "failed", va="center", color="tab:red", fontsize=9)
+            continue
+        ratios = ratio_label(row)
+        speed_axis.text(row["tokens_per_sec_max"], position, f"  {row['tokens_per_sec']:,.0f}"
+                        + (f"  ({ratios})" if ratios else ""), va="center", fontsize=9)
+    speed_axis.set_xlim(0, top_speed * 1.6)
+    speed_axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    speed_axis.set_xlabel("training tokens per second: median, whiskers from the slowest to the fastest window "
+                          "(rungs 11-12: all GPUs)", fontsize=9)
+    speed_axis.set_title("Throughput per rung (higher is better)")
+    speed_axis.set_yticks(positions, labels)
+    speed_axis.invert_yaxis()  # rung 0 on top
+
+    reserved = [row["peak_reserved_gb"] for row in rows]
+    if any(value is not None for value in reserved):
+        memory_axis.barh(positions, [value or 0 for value in reserved], color=colors)
+        top_memory = max(value or 0 for value in reserved) or 1
+        for position, value in zip(positions, reserved):
+            memory_axis.text(value or 0, position, " n/a" if value is None else f" {value:.2f}", va="center",
+                             fontsize=9)
+        memory_axis.set_xlim(0, top_memory * 1.25)
+    else:
+        memory_axis.text(0.5, 0.5, "no GPU memory statistics\n(this run was on a CPU)", ha="center",
+                         va="center", transform=memory_axis.transAxes, fontsize=11, color="gray")
+        memory_axis.set_xticks([])
+    memory_axis.set_xlabel("peak reserved GPU memory, GiB (rungs 11-12: rank 0)")
+    memory_axis.set_title("GPU memory per rung (lower is better)")
+
+    settings = report["settings"]
+    dates = sorted(part["started_at"][:10] for part in report.get("parts", [])) or [report["date"][:10]]
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    figure.suptitle(f"Benchmark ladder on {report['device_name']}{' (--tiny)' if settings['tiny'] else ''} | "
+                    f"{describe_model(settings)} | PyTorch {report['torch']} | {when}", fontsize=11)
+    figure.tight_layout()
+    files.save_atomically(lambda tmp: figure.savefig(tmp, dpi=120, format="png"), path)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the three files
+# ---------------------------------------------------------------------------------------------
+
+def write_report(report, out, roofline=None, chart=True):
+    """ladder.json, ladder.md and (unless `chart` is off) ladder.png in `out`; returns the table."""
+    out = Path(out)
+    attach_ceilings(report, roofline)
+    write_json(report, out / "ladder.json")
+    markdown = render_markdown(report)
+    files.write_atomically(out / "ladder.md", markdown.encode("utf-8"))
+    if chart:
+        plot_ladder(report, out / "ladder.png")
+    return markdown
+
+
+def main(argv=None):
+    parser = common.OneLineParser(prog="bench/report.py", description=__doc__, allow_abbrev=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", metavar="RESULTS_FOLDER", help="a folder that bench/ladder.py wrote (--out)")
+    parser.add_argument("--roofline", metavar="PATH",
+                        help=f"bench/roofline.py's {ROOFLINE_NAME} for this GPU (default: the one in the folder, "
+                             "if it models the same GPU)")
+    args = parser.parse_args(argv)
+    try:
+        path = Path(args.results) / "ladder.json"
+        report = read_report(path)
+        if report is None:
+            raise UsageError(f"{path} does not exist: write it with bench/ladder.py --out {args.results}")
+        roofline = find_roofline(args.results, args.roofline, report["device_name"], report["settings"])
+        write_report(report, args.results, roofline)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return common.EXIT_USAGE
+    print(f"Wrote {args.results}/ladder.md, ladder.json and ladder.png")
+    return common.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
