@@ -1,4 +1,7 @@
-"""Shared test helpers: run the stage scripts as a user would, and import them as modules."""
+"""Shared test helpers: run the stage scripts as a user would, and import them as modules.
+
+The suite runs on the CPU wherever it runs; the GPU tier in tests/gpu runs on its own (python -m pytest -q tests/gpu).
+"""
 
 import importlib.util
 import json
@@ -11,6 +14,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+GPU_TIER = ROOT / "tests" / "gpu"
+
+
+def gpu_tier_requested(config):
+    """Whether this pytest run asked for the GPU tier alone: every path it was given lies in tests/gpu."""
+    paths = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
+    return bool(paths) and all(path == GPU_TIER or GPU_TIER in path.parents for path in paths)
+
+
+def pytest_configure(config):
+    # The CPU suite stays on the CPU on a machine with a GPU too (--device auto would pick CUDA: 2-process torchrun
+    # tests on one GPU, CPU timings, CUDA's non-deterministic backward...). An empty CUDA_VISIBLE_DEVICES, set here
+    # before any test module imports torch, hides the GPU from this process and from every process the tests start,
+    # however they start it (run_script, torchrun and its workers, hand-built commands, tests added later), which
+    # passing --device cpu in the runner helpers would not.
+    if not gpu_tier_requested(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_ignore_collect(collection_path, config):
+    # The GPU tier needs the GPU hidden above, and its full-size runs would not fit the CPU suite's time budget.
+    if collection_path == GPU_TIER and not gpu_tier_requested(config):
+        return True
+    return None
 
 
 def load_stage(filename):

@@ -11,7 +11,9 @@ import torch._dynamo  # imported before any test fakes torch.cuda functions (its
 
 import checkpoints
 import common
+import inspection
 from conftest import logged_losses, run_script, run_with_fault
+from gpu import stage_runs
 
 FP16 = {common.FORCE_PRECISION_VARIABLE: "fp16"}
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
@@ -314,3 +316,75 @@ def test_pick_device_checks_the_build_for_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
     with pytest.raises(common.UsageError, match="no kernels for the Tesla V100"):
         common.pick_device("auto")
+
+
+# ---------------------------------------------------------------------------------------------
+# Machines with a GPU: this suite stays on the CPU there, and the GPU tier (tests/gpu) reads what the stages print
+# ---------------------------------------------------------------------------------------------
+
+def test_the_tests_and_every_process_they_start_see_no_gpu():
+    """tests/conftest.py hides CUDA, so that --device auto takes the CPU in every run the tests start."""
+    assert not torch.cuda.is_available()
+    result = run_script("-c", "import os, torch, common; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+                              "torch.cuda.is_available(), common.pick_device('auto'))", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["''", "False", "cpu"]
+
+
+# Dynamo's logs as the GPU tier meets them: a compiled module inside DDP (split at its buckets), a graph break
+# and a recompile. The "eager" backend logs the same without compiling anything.
+TORCH_LOG_PROBE = """
+import os, torch, torch.distributed as dist
+import common
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+layers = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])  # 1 MB each: one bucket each
+ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(layers, backend="eager"), bucket_cap_mb=1)
+ddp(torch.randn(2, 512)).sum().backward()
+
+@torch.compile(backend="eager")
+def with_a_break(x):
+    print("Dynamo cannot trace a print: a graph break")
+    return x * 2
+
+with_a_break(torch.randn(3))
+with_a_break(torch.randn(3, 2))  # another number of dimensions: a recompile
+dist.destroy_process_group()
+"""
+
+
+def test_the_gpu_tiers_readers_understand_dynamos_logs():
+    result = run_script("-c", TORCH_LOG_PROBE, env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    frames = stage_runs.traced_frames(result.stderr)
+    names = {name for _, _, name in frames}
+    assert "with_a_break" in names and any(name.startswith("torch_dynamo_resume_in_with_a_break") for name in names)
+    assert {attempt for _, attempt, _ in frames} == {0, 1}, frames  # the recompile is attempt 1
+    assert stage_runs.torch_log(result.stderr, "graph_breaks", "Graph break in user code")
+    assert stage_runs.torch_log(result.stderr, "recompiles", "Recompiling function")
+    assert stage_runs.ddp_bucket_splits(result.stderr) == [3]
+
+
+def test_the_gpu_tiers_readers_understand_a_stages_output(tmp_path, small_text):
+    steps = inspection.PROFILE_WAIT + inspection.PROFILE_WARMUP + inspection.PROFILE_ACTIVE
+    run = stage_runs.run_stage("00_orig.py", "--tiny", "--data", small_text, "--max-steps", steps, "--eval-freq", 4,
+                               "--profile", out=tmp_path / "run", timeout=240, keep_checkpoint=True)
+    assert run.returncode == 0, run.describe()
+    assert (tmp_path / "run" / "model.pth").is_file()
+    printed, logged = stage_runs.log_entries(run.stdout), run.metrics()["log"]
+    assert [entry["step"] for entry in printed] == [entry["step"] for entry in logged] == [0, 4, steps - 1]
+    for shown, entry in zip(printed, logged):
+        assert shown["val_loss"] == pytest.approx(entry["val_loss"], abs=5e-4)
+        assert (shown["step_tok_per_sec"] is None) == (entry["step_tok_per_sec"] is None)
+        assert shown["mfu"] is None and entry["mfu"] is None  # no peak for a CPU
+    rows = stage_runs.profile_rows(run.stdout)
+    assert len(rows) >= 5 and "aten::mm" in rows, rows  # whole names, not parts of columns
+    assert stage_runs.memory_gb(run.stdout) == {}  # CPU: no memory lines
+
+    # what only CUDA prints, in the stages' formats
+    cuda_output = ("Ep 1, Step 000010, Train: 6.201, Val: 6.152, Step tok/sec: 12545, Avg tok/sec: n/a, MFU: 38.9%\n"
+                   "Allocated memory: 2.4373 GB\nReserved memory: 22.5100 GB\n")
+    [entry] = stage_runs.log_entries(cuda_output)
+    assert entry["step_tok_per_sec"] == 12545 and entry["avg_tok_per_sec"] is None
+    assert entry["mfu"] == pytest.approx(0.389)
+    assert stage_runs.memory_gb(cuda_output) == {"allocated": 2.4373, "reserved": 22.51}

@@ -1,0 +1,172 @@
+"""The three stages at full size on one GPU: speed, memory, compilation and fidelity, from three shared runs.
+
+Stages 00, 01 and 02 (under torchrun, one process, NCCL) each train once on the shipped Shakespeare: STEPS steps of
+BATCH sequences of 1,024 tokens from the same seed. The batch is 00's, so that the three see the same tokens in the
+same order and are evaluated on the same validation batches: their losses compare directly. Every evaluation covers
+the whole validation split, whose last batch is short (01 and 02 pad it). The GPU report gives the throughput at
+this batch; bench/ladder.py measures each stage at its own.
+
+Budget on one H100: about 5 minutes for this file: the three runs (their fixtures give each one's share) and a
+--tiny run; the checks themselves take no time.
+"""
+
+import math
+
+import pytest
+import torch
+
+import common
+from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
+
+BATCH = 8  # 00's own batch: larger ones do not fit its float32 attention matrices
+STEPS = 160  # 1.3 M tokens, within one epoch (167 steps at batch 8); 00 takes ~0.25 s a step in float32
+EVAL_FREQ = 80  # log lines at steps 0, 80 and 159
+SAMPLE_PROMPT = "Every effort moves you"
+
+
+@pytest.fixture(scope="module")
+def shared_flags(validation_windows):
+    every_validation_batch = math.ceil(validation_windows / BATCH)
+    return ["--batch-size", BATCH, "--max-steps", STEPS, "--eval-freq", EVAL_FREQ, "--eval-iter",
+            every_validation_batch]
+
+
+@pytest.fixture(scope="module")
+def run_00(shared_flags, tmp_path_factory):
+    # budget: ~70 s: start-up ~15 s, 160 float32 steps at ~0.25 s, 3 evaluations of 2 x 19 batches, a 2 GB checkpoint
+    return run_stage("00_orig.py", *shared_flags, out=tmp_path_factory.mktemp("run_00"), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run_01(shared_flags, tmp_path_factory):
+    # budget: ~90 s: compiling the training and evaluation graphs ~60 s (cold caches), 160 steps at ~0.04 s
+    return run_stage("01_opt_single_gpu.py", *shared_flags, out=tmp_path_factory.mktemp("run_01"),
+                     env={"TORCH_LOGS": "recompiles,dynamo"}, timeout=360)
+
+
+@pytest.fixture(scope="module")
+def run_02(shared_flags, tmp_path_factory):
+    # budget: ~100 s: as 01, plus torchrun and NCCL start-up and one compilation per DDP bucket
+    return run_stage("02_opt_multi_gpu_ddp.py", *shared_flags, out=tmp_path_factory.mktemp("run_02"), torchrun=True,
+                     env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=420)
+
+
+def shown(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+def check_full_size_run(run, label, report):
+    """What every stage's log must show at full size: the run finished, with tok/s, MFU and reserved memory."""
+    entries = log_entries(run.stdout)
+    metrics = run.metrics() if (run.out / "metrics.json").is_file() else {}
+    memory = memory_gb(run.stdout)
+    report(f"{label}: {STEPS} steps of {BATCH} x 1,024 tokens in {run.seconds:.0f} s (start-up and compilation "
+           f"included) | {shown(metrics.get('avg_tok_per_sec'), ',.0f')} tok/s after the first interval | MFU "
+           f"{shown(metrics.get('mfu'), '.1%')} | reserved {shown(memory.get('reserved'), '.2f')} GB at the end, "
+           f"peak {shown(metrics.get('peak_reserved_gb'), '.2f')} GB | final validation loss "
+           f"{shown(entries[-1]['val_loss'] if entries else None, '.4f')}")
+    assert run.returncode == 0, run.describe()
+    logged_steps = sorted({*range(0, STEPS, EVAL_FREQ), STEPS - 1})  # every EVAL_FREQ steps, and the last
+    assert [entry["step"] for entry in entries] == logged_steps, f"log lines: {entries}" + run.describe()
+    assert all(entry["step_tok_per_sec"] for entry in entries), "a log line without Step tok/sec" + run.describe()
+    assert all(entry["mfu"] for entry in entries), (
+        "log lines without MFU: the header's 'MFU' line says why (is this GPU in common.PEAK_TFLOPS?)" + run.describe())
+    assert "reserved" in memory, "no 'Reserved memory: ... GB' line after the epoch" + run.describe()
+    assert SAMPLE_PROMPT in run.stdout, "no sample after the epoch" + run.describe()
+    return metrics
+
+
+def test_00_trains_at_full_size(run_00, report):  # budget: run_00's
+    check_full_size_run(run_00, "00 (float32)", report)
+
+
+def test_01_trains_at_full_size(run_01, report):  # budget: run_01's
+    check_full_size_run(run_01, "01 (bf16, compiled)", report)
+
+
+def test_02_trains_at_full_size_under_torchrun(run_02, report):  # budget: run_02's
+    metrics = check_full_size_run(run_02, "02 (torchrun, 1 process, NCCL)", report)
+    assert metrics["world_size"] == 1 and "world size: 1" in run_02.stdout, run_02.describe()
+    assert "Weight checksums of the 1 ranks: identical" in run_02.stdout, run_02.describe()
+
+
+@pytest.mark.parametrize("stage", ["01", "02"])
+def test_compiled_once_no_recompiles_for_evaluation_padding_or_sample(stage, request, validation_windows, report):
+    # budget: none of its own (run_01's and run_02's logs)
+    run = request.getfixturevalue(f"run_{stage}")
+    frames = traced_frames(run.stderr)
+    recompiles = torch_log(run.stderr, "recompiles", "Recompiling function")
+    short_rows = validation_windows % BATCH
+    report(f"{stage}: torch.compile traced {sorted({name for _, _, name in frames})}, {len(recompiles)} recompile "
+           f"lines, over 3 evaluations (the last validation batch: {short_rows} rows padded to {BATCH}) and a sample")
+    assert run.returncode == 0, run.describe()
+    assert short_rows, f"{validation_windows} validation windows fill whole batches of {BATCH}: no padding is tested"
+    assert frames, ("no 'torchdynamo start tracing' line on stderr: did TORCH_LOGS=dynamo take effect?"
+                    + run.describe())
+    assert not recompiles, "TORCH_LOGS=recompiles:\n" + "\n".join(recompiles[:40]) + run.describe()
+    assert all(attempt in (0, None) for _, attempt, _ in frames), f"frames traced more than once: {frames}"
+    assert SAMPLE_PROMPT in run.stdout, run.describe()
+
+
+def test_02_compiles_one_graph_per_ddp_bucket_without_graph_breaks(run_02, report):  # budget: none (run_02's log)
+    breaks = torch_log(run_02.stderr, "graph_breaks", "Graph break in user code")
+    frames = [name for _, _, name in traced_frames(run_02.stderr)]
+    splits = ddp_bucket_splits(run_02.stderr)
+    report(f"02: {len(breaks)} graph-break lines; frames traced: {frames}; graphs split at DDP's buckets "
+           f"(DDPOptimizer), with their number of pieces, one compiled graph each: {splits}")
+    assert run_02.returncode == 0, run_02.describe()
+    assert not breaks, ("TORCH_LOGS=graph_breaks: Dynamo stopped tracing inside the training step (DDP's Python, "
+                        "contextlib...); the compiled unit should be forward plus loss, called through DDP's "
+                        "wrapper:\n" + "\n".join(breaks[:60]) + run_02.describe())
+    resumed = [name for name in frames if name.startswith("torch_dynamo_resume_in")]
+    assert not resumed, f"frames that resume after a graph break: {resumed}" + run_02.describe()
+    assert len(splits) >= 1, (
+        "no 'DDPOptimizer used bucket cap ... and created N buckets' line (TORCH_LOGS=dynamo): the training graph "
+        "was not split at DDP's buckets, so the gradient all-reduce cannot overlap the backward; Dynamo splits it "
+        "when the compiled module runs inside DDP's forward" + run_02.describe())
+
+
+def final_validation_loss(run):
+    assert run.returncode == 0, run.describe()
+    metrics = run.metrics()
+    return metrics["log"][-1]["val_loss"], metrics
+
+
+def test_01_learns_like_00(run_00, run_01, report):  # budget: none (the runs' metrics)
+    loss_00, metrics_00 = final_validation_loss(run_00)
+    loss_01, metrics_01 = final_validation_loss(run_01)
+    difference = loss_01 / loss_00 - 1
+    report(f"fidelity: validation loss after {metrics_01['steps']} steps x {BATCH} x 1,024 = "
+           f"{metrics_01['tokens_seen']:,} tokens: 00 (float32) {loss_00:.4f}, 01 (bf16 autocast) {loss_01:.4f}: "
+           f"{difference:+.2%} (allowed: 2%)")
+    assert metrics_00["tokens_seen"] == metrics_01["tokens_seen"]
+    # the stages draw different initial weights (01's padded vocabulary adds rows), so they agree statistically
+    assert abs(difference) <= 0.02, f"00: {metrics_00['log']}\n01: {metrics_01['log']}"
+
+
+def test_02_at_world_size_1_learns_like_01(run_01, run_02, report):  # budget: none (the runs' metrics)
+    loss_01, metrics_01 = final_validation_loss(run_01)
+    loss_02, metrics_02 = final_validation_loss(run_02)
+    difference = loss_02 / loss_01 - 1
+    report(f"fidelity: validation loss after {metrics_02['steps']} steps x {BATCH} x 1,024 = "
+           f"{metrics_02['tokens_seen']:,} tokens: 01 {loss_01:.4f}, 02 at world size 1 {loss_02:.4f}: "
+           f"{difference:+.3%} (allowed: 0.5%)")
+    assert metrics_01["tokens_seen"] == metrics_02["tokens_seen"]
+    # the same initial weights, batches and dropout seed: only CUDA's non-deterministic kernels differ
+    assert abs(difference) <= 0.005, f"01: {metrics_01['log']}\n02: {metrics_02['log']}"
+
+
+def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
+    # budget: ~35 s: --tiny, compiled for float16 on CUDA (~20 s), 60 steps
+    run = run_stage("01_opt_single_gpu.py", "--tiny", "--device", "cuda", "--max-steps", 60, "--eval-freq", 20,
+                    out=tmp_path, env={common.FORCE_PRECISION_VARIABLE: "fp16"}, timeout=240, keep_checkpoint=True)
+    entries = log_entries(run.stdout)
+    checkpoint = (torch.load(tmp_path / "model.pth", map_location="cpu", weights_only=True)
+                  if (tmp_path / "model.pth").is_file() else {})
+    scale = (checkpoint.get("scaler") or {}).get("scale")
+    report(f"float16 + GradScaler (--tiny, 60 steps): validation loss {[entry['val_loss'] for entry in entries]}, "
+           f"loss scale at the end {scale} (from 65536: halved at each overflow)")
+    assert run.returncode == 0, run.describe()
+    assert "precision: fp16" in run.stdout, run.describe()
+    assert len(entries) >= 2 and entries[-1]["val_loss"] < entries[0]["val_loss"] - 0.5, run.describe()
+    assert scale is not None, "the checkpoint holds no GradScaler state: was the scaler enabled?"

@@ -1,0 +1,129 @@
+"""Memory and profiling on the GPU: no float32 logits in a compiled step, --memory-snapshot, the --profile table.
+
+Budget on one H100: about 1.5 minutes for this file.
+"""
+
+import pickle
+
+import torch
+
+from conftest import load_stage
+from gpu.stage_runs import profile_rows, run_stage
+
+try:
+    from inspection import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
+except ImportError:  # RunInspection still in common.py
+    from common import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
+
+GB = 1024**3
+REGION_LABELS = ("forward with loss", "backward", "optimizer step")  # the stages' labels in the trace
+
+
+def allocations_during(step):
+    """(the peak of allocated memory above what was allocated before, the largest single allocation), in bytes,
+    while `step()` runs; the allocator's own history gives the single allocations."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")  # no C++ stacks: fast
+    try:
+        step()
+        torch.cuda.synchronize()
+        peak_increase = torch.cuda.max_memory_allocated() - before
+        history = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    largest = max((event["size"] for trace in history["device_traces"] for event in trace
+                   if event["action"] == "alloc"), default=0)
+    return peak_increase, largest
+
+
+def compiled_steps_of_stage01(stage, cfg, batch):
+    """{"training": (peak increase, largest allocation), "evaluation": (...)} of one compiled step of each kind."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = stage.GPTModel(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    tokens = torch.randint(0, stage.REAL_VOCAB_SIZE, (batch, cfg["context_length"] + 1))
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as a loader's batches
+
+    def training_step():
+        optimizer.zero_grad()
+        stage.calc_loss_batch(inputs, targets, model, device).backward()
+        optimizer.step()
+
+    def evaluation_step():
+        model.eval()
+        with torch.no_grad():
+            stage.calc_loss_batch(inputs, targets, model, device)
+        model.train()
+
+    training_step(), evaluation_step()  # compile both graphs and create AdamW's state: neither is the step measured
+    return {"training": allocations_during(training_step), "evaluation": allocations_during(evaluation_step)}
+
+
+def test_no_compiled_step_allocates_the_float32_logits(report):
+    # budget: ~30 s. Two layers at full width, vocabulary and context, batch 8 (the shapes, and so the kernels, of
+    # the full-size runs): compiled in seconds. The logits, the tensor in question, do not depend on the depth.
+    stage = load_stage("01_opt_single_gpu.py")
+    torch.set_float32_matmul_precision("high")  # as stage 01 sets it (step 2)
+    cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2}
+    batch, context = 8, cfg["context_length"]
+    float32_logits = batch * context * cfg["vocab_size"] * 4
+    bf16_logits = float32_logits // 2
+    measured = compiled_steps_of_stage01(stage, cfg, batch)
+    torch.cuda.empty_cache()  # the model is gone: leave the GPU to the runs that follow
+    report(f"logits of {batch} x {context:,} x {cfg['vocab_size']:,}: float32 {float32_logits / GB:.2f} GiB, bf16 "
+           f"{bf16_logits / GB:.2f} GiB | " + " | ".join(
+               f"{name} step: peak +{peak / GB:.2f} GiB, largest allocation {largest / GB:.2f} GiB"
+               for name, (peak, largest) in measured.items()))
+    for name, (_, largest) in measured.items():
+        assert largest >= bf16_logits, f"{name}: the allocator's history did not see the bf16 logits: {measured}"
+        assert largest < float32_logits, (
+            f"{name}: one allocation of {largest / GB:.2f} GiB, the size of the float32 logits: the loss widened "
+            "them outside its compiled kernel (forward_and_loss and the .float() before cross_entropy)")
+    # without gradients to keep, evaluation holds little besides the bf16 logits
+    assert measured["evaluation"][0] < float32_logits, measured
+
+
+def test_memory_snapshot_loads_and_its_steps_are_off_the_clock(tmp_path, report):
+    # budget: ~25 s: stage 00 (nothing to compile), 8 steps of batch 8 at full size, a 2 GB checkpoint
+    run = run_stage("00_orig.py", "--batch-size", 8, "--max-steps", 8, "--eval-freq", 4, "--eval-iter", 2,
+                    "--memory-snapshot", out=tmp_path, timeout=240)
+    path = tmp_path / "memory_snapshot.pickle"
+    assert run.returncode == 0, run.describe()
+    assert path.is_file(), run.describe()
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)  # what pytorch.org/memory_viz reads
+    events = sum(len(trace) for trace in snapshot["device_traces"])
+    metrics = run.metrics()
+    tokens_per_step = metrics["tokens_seen"] // metrics["steps"]
+    untimed_steps = (metrics["tokens_seen"] - sum(entry["timed_tokens"] for entry in metrics["log"])) / tokens_per_step
+    report(f"--memory-snapshot (00, 8 steps): {path.stat().st_size / 1e6:.1f} MB, {events:,} allocator events, "
+           f"{len(snapshot['segments'])} segments; steps left out of tok/s: {untimed_steps:g} (recorded: "
+           f"{SNAPSHOT_STEPS})")
+    assert events > 0, "the snapshot holds no allocator history"
+    # The tokens of the recorded steps must be left out of the timed ones: recording slows every allocation, and
+    # the dump after the last recorded step synchronizes and pickles. This reads the run's own bookkeeping, so it
+    # holds however fast the GPU is (a tok/s comparison would not: the first interval, where the snapshot falls,
+    # is left out of the average anyway).
+    assert untimed_steps == SNAPSHOT_STEPS, (
+        f"metrics.json log: {metrics['log']}: the steps the snapshot records should be off the training clock, as "
+        "--profile's are (RunInspection.off_clock)")
+
+
+def test_profile_table_ranks_kernels_and_operators_not_the_labelled_regions(tmp_path, report):
+    # budget: ~25 s: stage 00, the fewest steps --profile accepts (9 today), a 2 GB checkpoint
+    steps = PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
+    run = run_stage("00_orig.py", "--batch-size", 8, "--max-steps", steps, "--eval-freq", 100, "--eval-iter", 1,
+                    "--profile", out=tmp_path, timeout=240)
+    rows = profile_rows(run.stdout)
+    labels = [row for row in rows if row in REGION_LABELS or row.startswith("ProfilerStep")]
+    report(f"--profile (00, {steps} steps): {len(rows)} rows, the top three {rows[:3]}; labelled regions among "
+           f"them: {labels or 'none'}")
+    assert run.returncode == 0, run.describe()
+    assert list((tmp_path / "profile").glob("*.pt.trace.json")), run.describe()
+    assert len(rows) >= 5, "no table of top operators after 'Profile of steps ...'" + run.describe()
+    assert "Self CUDA" in run.stdout, "the table has no GPU time columns" + run.describe()
+    assert not labels, (f"rows that are labels, not work: {labels}; their device-side copies span whole steps and "
+                        "top a table sorted by device time" + run.describe())
