@@ -1,0 +1,32 @@
+"""The README teaches first: the lesson's sections come before the operations manual, and its links resolve."""
+
+import re
+
+from conftest import ROOT
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def headings():
+    return [match.group(1) for match in re.finditer(r"^## (.+)$", README, flags=re.MULTILINE)]
+
+
+def test_the_lesson_comes_before_the_operations_manual():
+    titles = headings()
+    lesson = ["The stages", "The ten optimizations of stage 01", "Why each step pays", "The ladder",
+              "Looking inside a run"]
+    positions = [next(i for i, title in enumerate(titles) if title.startswith(name)) for name in lesson]
+    assert positions == sorted(positions), titles
+    operations = next(i for i, title in enumerate(titles) if title.startswith("Running it"))
+    assert max(positions) < operations, titles
+    for moved in ("Checkpoints", "When things go wrong", "Exit codes"):  # now in docs/operations.md
+        assert not any(title.startswith(moved) for title in titles), titles
+
+
+def test_every_local_link_of_the_readme_and_docs_resolves():
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
