@@ -1,0 +1,564 @@
+"""Stage 03: stage 02 with DDP replaced by FSDP2, marked "NEW (FSDP)": torchrun --nproc_per_node=4 this file.
+
+Without flags it trains the full 124M configuration (163M parameters); --tiny trains a small model
+on a CPU in seconds; --help lists every flag. Each stage is the one before plus speed optimizations
+marked "NEW": diff them, e.g. git diff --no-index 00_orig.py 01_opt_single_gpu.py
+"""
+
+import atexit  # NEW (DDP): to leave the process group on every way out
+import math
+import os  # NEW (DDP): torchrun describes the job in environment variables
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # write image files; no window
+import matplotlib.pyplot as plt
+import torch
+import torch.nn as nn
+import torch.distributed as dist  # NEW (DDP)
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # NEW (FSDP)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # NEW (FSDP)
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler  # NEW (DDP)
+
+import checkpoints
+import common
+import inspection
+import sharding  # NEW (FSDP): sharded checkpoints, the full-weights export, the memory per rank
+from data import get_tokenizer, load_text
+
+GPT_CONFIG_124M = {
+    "vocab_size": 50304,     # NEW (step 9): GPT-2's 50,257 ids padded to a multiple of 64 for faster matmuls
+    "context_length": 1024,  # tokens per training window
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
+OTHER_SETTINGS = {
+    "learning_rate": 5e-4,
+    "weight_decay": 0.1,
+    "num_epochs": 5,
+    "batch_size": 32,  # NEW (step 10): 4x the batch, paid for by the memory steps 5-7 saved
+    "eval_freq": 20,
+    "eval_iter": 5,
+    "max_steps": 0,
+}
+
+REAL_VOCAB_SIZE = 50257  # NEW (step 9): the tokenizer's ids; the ids above are padding
+
+# --tiny: a model and batch small enough for a CPU; the code path is the same as the full run.
+TINY_CONFIG = {**GPT_CONFIG_124M, "context_length": 64, "emb_dim": 64, "n_heads": 4, "n_layers": 2}
+TINY_SETTINGS = {**OTHER_SETTINGS, "num_epochs": 1, "batch_size": 4, "eval_freq": 5, "eval_iter": 2,
+                 "max_steps": 30}
+
+
+#####################################
+# Chapter 2: data
+#####################################
+
+class SlidingWindowDataset(Dataset):
+    """Cut the token stream into windows of `context_length`; a target is its input shifted by one."""
+
+    def __init__(self, text, tokenizer, context_length, stride):
+        ids = tokenizer.encode(text, allowed_special={"<|endoftext|>"})
+        self.tokens = torch.tensor(ids, dtype=torch.long)
+        self.context_length = context_length
+        # a window needs context_length + 1 tokens: the inputs and the one token after them
+        self.starts = range(0, len(ids) - context_length, stride)
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, index):
+        start = self.starts[index]
+        window = self.tokens[start:start + self.context_length + 1]
+        return window[:-1], window[1:]
+
+
+def create_dataloader(dataset, batch_size, shuffle, drop_last, seed=0):
+    # NEW (DDP): each process takes its own disjoint share of the shuffled windows, reshuffled every epoch
+    sampler = DistributedSampler(dataset, seed=seed, drop_last=drop_last) if shuffle else None
+    # the loader's own generator (for worker seeds) leaves the global one, which drives dropout, alone
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=torch.Generator())
+
+
+#####################################
+# Chapter 3: attention
+#####################################
+
+class MultiHeadAttention(nn.Module):
+    """Causal self-attention: each token mixes in the values of itself and the tokens before it."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        assert d_out % num_heads == 0, "the embedding must split evenly into heads"
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # NEW (step 7): one matmul for Q, K and V
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = dropout  # NEW (step 7): a probability: SDPA applies the dropout itself
+        # NEW (step 1): no stored mask buffer; the causal mask is made on the fly (by SDPA since step 7)
+
+    def forward(self, x):
+        batch, num_tokens, _ = x.shape
+
+        def split_heads(t):  # (batch, tokens, d_out) -> (batch, heads, tokens, head_dim)
+            return t.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+
+        queries, keys, values = map(split_heads, self.qkv(x).chunk(3, dim=-1))
+        # NEW (step 7): scaled_dot_product_attention picks FlashAttention on the GPU: no tokens x tokens matrix
+        context = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                 dropout_p=self.dropout if self.training else 0.0)
+        context = context.transpose(1, 2).reshape(batch, num_tokens, -1)
+        return self.out_proj(context)
+
+
+#####################################
+# Chapter 4: the GPT model
+#####################################
+
+# NEW (step 6): the hand-written LayerNorm and GELU are gone: PyTorch's fused kernels replace them
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(cfg["emb_dim"], 4 * cfg["emb_dim"]),
+            nn.GELU(approximate="tanh"),  # NEW (step 6)
+            nn.Linear(4 * cfg["emb_dim"], cfg["emb_dim"]),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.att = MultiHeadAttention(d_in=cfg["emb_dim"], d_out=cfg["emb_dim"], context_length=cfg["context_length"],
+                                      dropout=cfg["drop_rate"], num_heads=cfg["n_heads"], qkv_bias=cfg["qkv_bias"])
+        self.ff = FeedForward(cfg)
+        self.norm1 = nn.LayerNorm(cfg["emb_dim"])  # NEW (step 6)
+        self.norm2 = nn.LayerNorm(cfg["emb_dim"])  # NEW (step 6)
+        self.drop_shortcut = nn.Dropout(cfg["drop_rate"])
+
+    def forward(self, x):
+        # pre-LayerNorm residual blocks: x + f(norm(x))
+        x = x + self.drop_shortcut(self.att(self.norm1(x)))
+        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])
+        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])
+        self.drop_emb = nn.Dropout(cfg["drop_rate"])
+        self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg) for _ in range(cfg["n_layers"])])
+        self.final_norm = nn.LayerNorm(cfg["emb_dim"])  # NEW (step 6)
+        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)  # not tied to tok_emb
+
+    def forward(self, in_idx):
+        num_tokens = in_idx.shape[1]
+        positions = torch.arange(num_tokens, device=in_idx.device)
+        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))
+        x = self.trf_blocks(x)
+        return self.out_head(self.final_norm(x))
+
+
+def generate_text_simple(model, idx, max_new_tokens, context_size):
+    """Greedy decoding: append the most likely next token, max_new_tokens times."""
+    for _ in range(max_new_tokens):
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # NEW (FSDP): eager, as in 02 (see below)
+            logits = model(idx[:, -context_size:])
+        next_id = logits[:, -1, :REAL_VOCAB_SIZE].argmax(dim=-1, keepdim=True)  # NEW (step 9): no padded ids
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+#####################################
+# Chapter 5: training
+#####################################
+
+def text_to_token_ids(text, tokenizer):
+    return torch.tensor(tokenizer.encode(text, allowed_special={"<|endoftext|>"})).unsqueeze(0)
+
+
+def token_ids_to_text(token_ids, tokenizer):
+    return tokenizer.decode(token_ids.squeeze(0).tolist())
+
+
+def calc_loss_batch(input_batch, target_batch, model, device):
+    if device.type == "cuda":  # NEW (step 4): from pinned (page-locked) memory the copy below is asynchronous
+        input_batch, target_batch = input_batch.pin_memory(), target_batch.pin_memory()
+    # NEW (step 4): non_blocking: the host queues the copy and goes on to queue the step's kernels
+    input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
+    # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
+    dtype = common.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        if model.training:  # NEW (FSDP): the model runs eagerly around its compiled blocks (FSDP's hooks stay out
+            return training_loss(model(input_batch), target_batch)  # of the graphs), then the compiled loss
+        with torch.compiler.set_stance("force_eager"):  # NEW (FSDP): evaluation runs the blocks eagerly: a graph
+            logits = model(input_batch)  # of theirs without gradients would recompile them
+        return evaluation_loss(logits, target_batch)  # NEW (step 8)
+
+
+def loss_of_logits(logits, target_batch):  # NEW (FSDP): the loss alone
+    # NEW (step 5): the loss in float32; compiled (step 8), the cast stays inside the loss kernel: no float32 logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
+
+
+@torch.compile  # NEW (FSDP): training: the loss alone in a graph of its own (step 8); the sharded model runs outside
+def training_loss(logits, target_batch):
+    return loss_of_logits(logits, target_batch)
+
+
+@torch.compile  # NEW (step 8): evaluation (no dropout, no gradients) is another graph, in a function of its own
+def evaluation_loss(logits, target_batch):  # NEW (FSDP): so that neither graph ever recompiles the other
+    return loss_of_logits(logits, target_batch)
+
+
+def calc_loss_loader(data_loader, model, device, num_batches=None):
+    """Mean loss over the first num_batches batches (all of them if None)."""
+    num_batches = len(data_loader) if num_batches is None else min(num_batches, len(data_loader))
+    if num_batches == 0:
+        return float("nan")
+    total = 0.0
+    for i, (input_batch, target_batch) in enumerate(data_loader):
+        if i >= num_batches:
+            break
+        if i % dist.get_world_size() != dist.get_rank():
+            continue  # NEW (DDP): each rank evaluates its share of the batches; their sum is all-reduced below
+        # NEW (step 8): a short last batch would be a new shape and compile again: pad it with rows of token 0 ...
+        missing_rows = data_loader.batch_size - len(input_batch)
+        input_batch = F.pad(input_batch, (0, 0, 0, missing_rows))  # (0, 0): no columns; (0, missing_rows): rows below
+        target_batch = F.pad(target_batch, (0, 0, 0, missing_rows), value=-100)  # ... whose targets the loss skips
+        total += calc_loss_batch(input_batch, target_batch, model, device).item()
+    if dist.get_rank() >= num_batches % dist.get_world_size() > 0:  # NEW (FSDP): every forward gathers the weights
+        dummy = torch.zeros(data_loader.batch_size, input_batch.shape[1], dtype=torch.long)  # with all ranks: the
+        calc_loss_batch(dummy, dummy, model, device)  # ranks a batch short run one more, not counted
+    total = torch.tensor(total, dtype=torch.float64, device=device)  # NEW (DDP)
+    dist.all_reduce(total)
+    return total.item() / num_batches
+
+
+def evaluate_model(model, train_loader, val_loader, device, eval_iter):
+    model.eval()
+    with torch.no_grad():
+        train_loss = calc_loss_loader(train_loader, model, device, num_batches=eval_iter)
+        val_loss = calc_loss_loader(val_loader, model, device, num_batches=eval_iter)
+    model.train()
+    return train_loss, val_loss
+
+
+def generate_and_print_sample(model, tokenizer, device, start_context):
+    model.eval()
+    context_size = model.pos_emb.weight.shape[0]
+    encoded = text_to_token_ids(start_context, tokenizer).to(device)
+    token_ids = generate_text_simple(model, encoded, max_new_tokens=50, context_size=context_size)
+    print(token_ids_to_text(token_ids, tokenizer).replace("\n", " "))
+    model.train()
+
+
+def check_finite(loss, step, *eval_losses):
+    """Stop (exit code 1) once a loss is NaN or infinite; checked at log lines and saves, not every step."""
+    if not all(math.isfinite(value) for value in (loss.item(), *eval_losses)):
+        raise common.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
+                                   f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
+
+
+def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat, save_checkpoint, resume=None):
+    """The training loop: returns the history that metrics.json and the plot are made of.
+
+    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth.
+    """
+    train_loader, train_eval_loader, val_loader = loaders
+    tokens_per_step = speed["tokens_per_step"]
+    history = {"log": [], "tokens_seen": 0, "steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
+    start_epoch, global_step, skip_batches = 0, -1, 0
+    if resume:
+        history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
+                                                           resume["batches_done"])
+    # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
+    # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
+    scaler = torch.amp.GradScaler(device.type, enabled=common.autocast_dtype(device) == torch.float16)
+    if resume and resume.get("scaler"):
+        scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
+    clock = common.TrainClock(device)
+    stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
+    interval_tokens, first_interval, done = 0, True, False
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
+        raise common.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
+                                    f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
+                                    "raise --epochs or --max-steps to train on. No file was changed.")
+    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
+
+    for epoch in range(start_epoch, args.epochs):
+        model.train()
+        train_loader.sampler.set_epoch(epoch)  # NEW (DDP): a new, reproducible order each epoch, on every rank
+        batches = iter(train_loader)
+        batches_done = skip_batches if epoch == start_epoch else 0
+        for _ in range(batches_done):  # resuming: the batches this epoch trained before the checkpoint
+            next(batches)
+        clock.start()
+        for input_batch, target_batch in batches:
+            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 1}"
+            off_clock = inspector.off_clock(global_step + 1)  # a profiled step is slower: not timed
+            if off_clock:
+                clock.stop()
+            optimizer.zero_grad()
+            with inspector.region("forward with loss"):
+                loss = calc_loss_batch(input_batch, target_batch, model, device)
+            with inspector.region("backward"):
+                scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
+            with inspector.region("optimizer step"):
+                scaler.step(optimizer)  # NEW (step 5, float16 only): skips a step whose gradients overflowed
+                scaler.update()
+            global_step += 1
+            inspector.step_done(global_step)
+            if off_clock:
+                clock.start()
+            batches_done += 1
+            interval_tokens += 0 if off_clock else tokens_per_step
+            history["tokens_seen"] += tokens_per_step
+            done = global_step + 1 >= total_steps
+
+            if global_step % args.eval_freq == 0 or done:  # also log the final step
+                clock.stop()  # evaluation is not training: keep it off the clock
+                seconds = clock.take()
+                step_tok_per_sec = interval_tokens / seconds if interval_tokens else None  # None: all profiled
+                if not first_interval:  # the first interval holds the warm-up: left out of the average
+                    history["timed_tokens"] += interval_tokens
+                    history["timed_seconds"] += seconds
+                avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
+                                   if history["timed_seconds"] else None)
+                mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
+                hfu = common.mfu(step_tok_per_sec, speed["hardware_flops_per_token"], speed["peak_flops"])  # NEW (FSDP)
+                heartbeat.doing = "evaluating"
+                train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader,  # NEW (FSDP): itself
+                                                      device, args.eval_iter)
+                check_finite(loss, global_step, train_loss, val_loss)
+                print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
+                      f"Step tok/sec: {round(step_tok_per_sec) if step_tok_per_sec else 'n/a'}, Avg tok/sec: "
+                      + (f"{round(avg_tok_per_sec)}" if avg_tok_per_sec else "n/a")
+                      + (f", MFU: {100 * mfu:.1f}%" if mfu is not None else "")
+                      + (f", HFU: {100 * hfu:.1f}%" if hfu != mfu else ""), flush=True)  # NEW (FSDP): recomputing
+                history["log"].append({
+                    "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "val_loss": val_loss,
+                    "step_tok_per_sec": step_tok_per_sec, "avg_tok_per_sec": avg_tok_per_sec, "mfu": mfu,
+                    "tokens_seen": history["tokens_seen"], "epochs_seen": (global_step + 1) / len(train_loader),
+                    "timed_tokens": interval_tokens,
+                    "hfu": hfu,  # NEW (FSDP): MFU with the recomputed forward counted too (equal without it)
+                })
+                interval_tokens, first_interval = 0, False
+                clock.start()
+            stop_signum = stop.requested()
+            if done or stop_signum or (args.save_every and (global_step + 1) % args.save_every == 0):
+                clock.stop()
+                check_finite(loss, global_step)
+                history["steps"] = global_step + 1
+                save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
+                                 "history": history, "rng": checkpoints.rng_state(device),
+                                 "scaler": scaler.state_dict()})  # NEW (step 5, float16 only): for --resume
+                if stop_signum:
+                    raise common.Interrupted(stop_signum, global_step)
+                clock.start()
+            if done:
+                break
+
+        clock.stop()  # the sample is not training either
+        heartbeat.doing = "generating a sample"
+        generate_and_print_sample(model, tokenizer, device,  # NEW (FSDP): the sharded model itself, every rank
+                                  start_context="Every effort moves you")
+        if device.type == "cuda":
+            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / 1024**3:.4f} GB")
+            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / 1024**3:.4f} GB")
+        if done:
+            break
+    history["steps"] = global_step + 1
+    history["profile"] = inspector.finish()
+    return history
+
+
+def plot_losses(history, path_stem):
+    log = history["log"]
+    fig, ax1 = plt.subplots(figsize=(5, 3))
+    epochs_seen = [entry["epochs_seen"] for entry in log]
+    ax1.plot(epochs_seen, [entry["train_loss"] for entry in log], label="Training loss")
+    ax1.plot(epochs_seen, [entry["val_loss"] for entry in log], linestyle="-.", label="Validation loss")
+    ax1.set_xlabel("Epochs")
+    ax1.set_ylabel("Loss")
+    ax1.legend(loc="upper right")
+    ax2 = ax1.twiny()  # a second x-axis: tokens seen
+    ax2.plot([entry["tokens_seen"] for entry in log], [entry["train_loss"] for entry in log], alpha=0)
+    ax2.set_xlabel("Tokens seen")
+    fig.tight_layout()
+    for suffix in (".pdf", ".png"):  # written atomically, like every output
+        checkpoints.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
+    plt.close(fig)
+
+
+#####################################
+# Main
+#####################################
+
+def setup_distributed(device_choice):
+    """NEW (DDP): join the process group that torchrun describes; plain `python` makes a group of one."""
+    rank = int(os.environ.get("RANK", 0))  # this process among all nodes: logging and files
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process on its node: which GPU
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+    device = common.pick_device(device_choice, distributed=True)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before the process group, so that NCCL uses this GPU
+    # a collective that waits longer than checkpoints.COLLECTIVE_TIMEOUT means a lost process: fail instead of hanging
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            timeout=checkpoints.COLLECTIVE_TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)  # NCCL binds to this GPU at once
+    atexit.register(dist.destroy_process_group)  # on every way out, errors included
+    return rank, world_size, device
+
+
+def shard_model(model, device, activation_checkpointing):
+    """NEW (FSDP): each rank keeps 1/N of every weight, gradient and AdamW state; a block gathers its weights to run."""
+    # bf16 gathers halve the traffic, gradients are reduced in float32, the shards stay float32. Autocast stays: its
+    # casts of bf16 weights are no-ops, and it keeps 02's precision per op (on CUDA, layer norms in float32)
+    mixed_precision = MixedPrecisionPolicy(param_dtype=common.autocast_dtype(device), reduce_dtype=torch.float32)
+    for index, block in enumerate(model.trf_blocks):
+        if activation_checkpointing:  # keep only the block's input for backward, which recomputes the rest
+            block = model.trf_blocks[index] = checkpoint_wrapper(block)
+        block.compile()  # step 8 per block, in place: a graph of the whole model would break at FSDP's hooks
+        fully_shard(block, mp_policy=mixed_precision)
+    fully_shard(model, mp_policy=mixed_precision)  # the embeddings, final norm and output head: one more unit
+
+
+def main():
+    parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
+    parser.add_argument("--activation-checkpointing", action="store_true",  # NEW (FSDP)
+                        help="recompute each block's activations in backward: less memory for ~1/3 more FLOPs")
+    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
+    cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
+    settings = common.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
+    rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
+    # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
+    # none). From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
+    torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
+    precision, precision_reason = common.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
+    heartbeat = common.Heartbeat()
+
+    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | "
+          f"precision: {precision} ({precision_reason}) | world size: {world_size}")  # NEW (DDP)
+
+    # Data: 90% of the text trains, 10% validates
+    heartbeat.doing = "reading and tokenizing the corpus"
+    text = load_text(args.data)
+    tokenizer = get_tokenizer()
+    split = int(0.9 * len(text))
+    context = cfg["context_length"]
+    train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
+    val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
+    if len(train_dataset) < args.batch_size * world_size:  # NEW (DDP): one batch for every process
+        raise common.UsageError(
+            f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
+            f"fewer than {world_size} batches of {args.batch_size}: use a longer text or smaller batches")  # NEW (DDP)
+    if len(val_dataset) == 0:
+        raise common.UsageError(
+            f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
+            "tokens: use a longer text")
+    train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
+    train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
+    val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
+    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
+          f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens per process, "
+          f"global batch {world_size * args.batch_size} sequences")  # NEW (DDP)
+
+    # Model and optimizer
+    torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; DDP gives all rank 0's weights
+    model = GPTModel(cfg).to(device)
+    for tensor in model.state_dict().values():  # NEW (FSDP): rank 0's initial weights everywhere, as DDP gave them:
+        dist.broadcast(tensor, src=0)  # each rank keeps a slice of its own copy
+    torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
+    common.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
+    shard_model(model, device, args.activation_checkpointing)  # NEW (FSDP): in place, before AdamW sees the weights
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
+                                  weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
+    num_params = sum(p.numel() for p in model.parameters())
+    speed = {"context_length": context, "tokens_per_step": args.batch_size * context * world_size,  # NEW (DDP)
+             "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
+             "hardware_flops_per_token": sharding.hardware_flops_per_token(cfg, tokenizer.n_vocab,  # NEW (FSDP): HFU
+                                                                           args.activation_checkpointing),
+             "peak_flops": common.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
+    print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
+    print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
+                            cfg, tokenizer.n_vocab))
+    print(common.mfu_line(device, precision))
+    memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
+    if device.type == "cpu" and not args.tiny:
+        print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
+
+    resume = None
+    if args.resume:
+        resume = sharding.load_checkpoint(model, optimizer, args, cfg, len(train_loader))  # NEW (FSDP): its shards
+        checkpoints.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout
+        print(common.resume_line(args, resume))
+
+    def save_checkpoint(progress):
+        """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
+        rng_states = [None] * world_size  # NEW (DDP): every rank's random state, for an exact --resume
+        dist.all_gather_object(rng_states, progress["rng"])
+        progress["rng"] = rng_states
+        checkpoint = {"config": cfg,  # NEW (FSDP): the weights and AdamW's state are added by sharding.save_checkpoint
+                      "settings": settings, "script": Path(__file__).name,
+                      "tokens_per_step": speed["tokens_per_step"], **progress}
+        sharding.save_checkpoint(model, optimizer, checkpoint, out / "model.pth")  # NEW (FSDP): shards beside it
+
+    start = time.time()
+    try:
+        history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),  # NEW (FSDP)
+                              device, args, speed, tokenizer, heartbeat, save_checkpoint, resume)
+    except torch.cuda.OutOfMemoryError:
+        raise common.out_of_memory(device, args.batch_size, context) from None
+    print(f"Training took {(time.time() - start) / 60:.2f} minutes")
+
+    if rank != 0:
+        return  # NEW (DDP): only rank 0 writes files
+
+    # Outputs: metrics.json, loss.pdf/png, model.pth
+    heartbeat.doing = "writing outputs"
+    on_cuda = device.type == "cuda"
+    avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
+    metrics = {
+        "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
+        "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
+        "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
+        "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
+        "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
+        "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory.as_json(),  # NEW (FSDP)
+        "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,
+        "reserved_gb": torch.cuda.memory_reserved(device) / 1024**3 if on_cuda else None,
+        "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
+    }
+    checkpoints.write_json(metrics, out / "metrics.json")
+    plot_losses(history, out / "loss")
+    print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(main))
