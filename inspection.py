@@ -5,6 +5,9 @@ region() and calls step_done() after it; with both flags off every call does not
 """
 
 import contextlib
+import errno
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -87,7 +90,7 @@ class RunInspection:
 
     def _write_trace(self, prof):
         path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
-        checkpoints.save_atomically(lambda tmp: prof.export_chrome_trace(tmp), path)
+        checkpoints.save_atomically(lambda tmp: export_trace(prof, tmp), path)
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         steps = f"{self.profiled_steps.start + PROFILE_WARMUP}-{self.profiled_steps.stop - 1}"
         averages = prof.key_averages()
@@ -119,3 +122,23 @@ def is_label(row):
     """Whether a row of the profiler's table is a label (a region of ours, a ProfilerStep#N) rather than work."""
     return (getattr(row, "is_user_annotation", False) or row.key in REGION_LABELS
             or row.key.startswith("ProfilerStep#"))
+
+
+def export_trace(prof, path):
+    """prof.export_chrome_trace, with a failed write raised as an OSError. The trace is written in C++ (Kineto),
+    which only logs a failed write and leaves an incomplete file: a trace that does not parse is that case, and
+    one more write from Python brings out the OS error behind it (a full disk, a size limit)."""
+    try:
+        prof.export_chrome_trace(path)
+    finally:
+        Path(f"{path}.tmp").unlink(missing_ok=True)  # Kineto's own temporary file, left behind by a failed write
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError:
+        with open(path, "ab") as f:
+            f.write(b" " * 2**20)  # whitespace after JSON: harmless, and enough to meet a full disk or a size limit
+            f.flush()
+            os.fsync(f.fileno())
+        raise OSError(errno.EIO, "the profiler's trace writer stopped part-way (incomplete trace)") from None
+

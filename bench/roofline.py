@@ -85,7 +85,6 @@ import json
 import math
 import re
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -97,7 +96,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # common and bench.rungs, wherever the script is started from
 
-import common  # noqa: E402  (needs the path above)
+import checkpoints  # noqa: E402  (needs the path above)
+import common  # noqa: E402
 from data import files  # noqa: E402
 
 # The six classes of work, in the order of the tables and the chart.
@@ -951,18 +951,6 @@ def write_outputs(table, out):
             raise common.OutputError(f"cannot write {out / name}: {err.strerror or err}") from None
 
 
-def writable_folder(out):
-    """--out, made if missing; a UsageError (exit code 2) before any counting when it cannot be written."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as err:
-        raise common.UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -988,7 +976,7 @@ def build_parser():
 def main():
     args = build_parser().parse_args()
     gpu = find_gpu(args.gpu)  # an unknown GPU fails here, before anything is built
-    out = writable_folder(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
+    out = checkpoints.claim_out_dir(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
     started = time.perf_counter()
     table = build_roofline(gpu, model=args.model, batch_size=args.batch_size)
     write_outputs(table, out)

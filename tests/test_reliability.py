@@ -169,10 +169,13 @@ def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
     elif case == "not-a-checkpoint":
         path = tmp_path / "weights.pth"
         torch.save({"weights": torch.zeros(3)}, path)
+    elif case == "other-config":  # --tiny and --model come from the checkpoint: its config must match them
+        path = tmp_path / "other-config.pth"
+        saved = torch.load(checkpoint, weights_only=True)
+        torch.save({**saved, "config": {**saved["config"], "n_layers": 3}}, path)
     else:
         path = checkpoint
         script, extra = {"other-stage": ("01_opt_single_gpu.py", ["--tiny", "--no-compile"]),
-                         "other-config": ("00_orig.py", []),
                          "other-batch": ("00_orig.py", ["--tiny", "--batch-size", "2"]),
                          "other-seed": ("00_orig.py", ["--tiny", "--seed", "7"])}[case]
     out = tmp_path / "out"
@@ -186,7 +189,7 @@ def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
     assert "--resume" in message
     expected_word = {"missing": "no such", "truncated": "corrupt", "garbage": "corrupt",
                      "not-a-checkpoint": "not a checkpoint", "other-stage": "00_orig.py",
-                     "other-config": "context_length", "other-batch": "tokens per step",
+                     "other-config": "n_layers", "other-batch": "tokens per step",
                      "other-seed": "seed"}[case]
     assert expected_word in message
     assert (out / "model.pth").read_bytes() == b"sentinel"
@@ -213,7 +216,8 @@ stage.train_model = out_of_memory
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     message = result.stderr.strip()
-    assert "out of GPU memory" in message and "8 x 64" in message and "--batch-size 4" in message
+    assert "out of GPU memory" in message and "8 x 64" in message and "a smaller --batch-size (4)" in message
+    assert "03_opt_multi_gpu_fsdp.py" in message and "--activation-checkpointing" in message  # the other levers
 
 
 def test_non_finite_loss_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tmp_path, small_text):

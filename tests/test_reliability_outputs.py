@@ -37,7 +37,8 @@ def run(command, timeout=240):
 
 def snapshot(folder):
     """Every file in the folder with its bytes and modification time."""
-    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in Path(folder).iterdir()}
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in Path(folder).iterdir()
+            if path.name != ".run.lock"}  # the lock names the live run's process: not an output
 
 
 def leftover_temporaries(folder):

@@ -132,28 +132,29 @@ def final_validation_loss(run):
     return metrics["log"][-1]["val_loss"], metrics
 
 
+def compare_validation_losses(reference, candidate, names, allowed, report, why):
+    """The relative difference of two runs' final validation losses after the same tokens, reported and checked."""
+    loss_reference, metrics_reference = final_validation_loss(reference)
+    loss_candidate, metrics_candidate = final_validation_loss(candidate)
+    difference = loss_candidate / loss_reference - 1
+    report(f"fidelity: validation loss after {metrics_candidate['steps']} steps x {BATCH} x 1,024 = "
+           f"{metrics_candidate['tokens_seen']:,} tokens: {names[0]} {loss_reference:.4f}, {names[1]} "
+           f"{loss_candidate:.4f}: {difference:+.3%} (allowed: {allowed:.1%})")
+    assert metrics_reference["tokens_seen"] == metrics_candidate["tokens_seen"]
+    assert abs(difference) <= allowed, (f"{why}\n{names[0]}: {metrics_reference['log']}\n"
+                                        f"{names[1]}: {metrics_candidate['log']}")
+
+
 def test_01_learns_like_00(run_00, run_01, report):  # budget: none (the runs' metrics)
-    loss_00, metrics_00 = final_validation_loss(run_00)
-    loss_01, metrics_01 = final_validation_loss(run_01)
-    difference = loss_01 / loss_00 - 1
-    report(f"fidelity: validation loss after {metrics_01['steps']} steps x {BATCH} x 1,024 = "
-           f"{metrics_01['tokens_seen']:,} tokens: 00 (float32) {loss_00:.4f}, 01 (bf16 autocast) {loss_01:.4f}: "
-           f"{difference:+.2%} (allowed: 2%)")
-    assert metrics_00["tokens_seen"] == metrics_01["tokens_seen"]
-    # the stages draw different initial weights (01's padded vocabulary adds rows), so they agree statistically
-    assert abs(difference) <= 0.02, f"00: {metrics_00['log']}\n01: {metrics_01['log']}"
+    compare_validation_losses(run_00, run_01, ("00 (float32)", "01 (bf16 autocast)"), 0.02, report,
+                              "the stages draw different initial weights (01's padded vocabulary adds rows), so they "
+                              "agree statistically")
 
 
 def test_02_at_world_size_1_learns_like_01(run_01, run_02, report):  # budget: none (the runs' metrics)
-    loss_01, metrics_01 = final_validation_loss(run_01)
-    loss_02, metrics_02 = final_validation_loss(run_02)
-    difference = loss_02 / loss_01 - 1
-    report(f"fidelity: validation loss after {metrics_02['steps']} steps x {BATCH} x 1,024 = "
-           f"{metrics_02['tokens_seen']:,} tokens: 01 {loss_01:.4f}, 02 at world size 1 {loss_02:.4f}: "
-           f"{difference:+.3%} (allowed: 0.5%)")
-    assert metrics_01["tokens_seen"] == metrics_02["tokens_seen"]
-    # the same initial weights, batches and dropout seed: only CUDA's non-deterministic kernels differ
-    assert abs(difference) <= 0.005, f"01: {metrics_01['log']}\n02: {metrics_02['log']}"
+    compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), 0.005, report,
+                              "the same initial weights, batches and dropout seed: only CUDA's non-deterministic "
+                              "kernels differ")
 
 
 def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
