@@ -255,8 +255,8 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None)
                                   weight_decay=settings["weight_decay"],
                                   fused=common.has_fused(device) if number >= 3 else None)  # step 3
 
-    # Steps 4, 5 and 8 live in 01's loss path: create_dataloader (pinning) and calc_loss_batch (non_blocking
-    # copies, then autocast around forward and loss, compiled). This rung's copy of 01 leaves out the
+    # Steps 4, 5 and 8 live in 01's loss path, calc_loss_batch: pinned batches and non_blocking copies (on CUDA),
+    # then autocast around forward and loss, compiled. This rung's copy of 01 leaves out the
     # steps it has not reached: no autocast before step 5, the eager forward and loss before step 8.
     data_stage = stage01 if number >= 4 else stage00
     if number < 5:

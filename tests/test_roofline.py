@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import ROOT, load_stage, run_script
 
 import common
-from bench import roofline, rungs
+from bench import rungs, step_model
 from bench.report import REFERENCE
 
 CLI_SECONDS = 60  # the issue's bound for one whole table on this machine
@@ -45,11 +45,11 @@ def a100(tmp_path_factory):
 
 def counted(fn, autocast_dtype=None, model=None):
     """The ops of fn() (forward) and of the backward of what it returns, on the meta device."""
-    counter = roofline.StepCounter()
+    counter = step_model.StepCounter()
     if model is not None:
         counter.watch(model)
     with counter:
-        with roofline.gpu_functions(autocast_dtype):
+        with step_model.gpu_functions(autocast_dtype):
             out = fn()
         counter.phase = "backward"
         out.float().sum().backward()
@@ -68,7 +68,7 @@ def meta(*shape, dtype=torch.float32, grad=True):
 def test_one_matmul_counts_2mnk_flops_and_its_three_matrices(dtype):
     m, k, n = 512, 768, 3072
     a, b = meta(m, k, dtype=dtype, grad=False), meta(k, n, dtype=dtype, grad=False)
-    with roofline.StepCounter() as counter:
+    with step_model.StepCounter() as counter:
         a @ b
     (op,) = counter.ops
     size = torch.finfo(dtype).bits // 8
@@ -82,7 +82,7 @@ def test_layer_norm_reads_its_input_and_writes_its_output_and_float32_statistics
     rows, width = 8 * 1024, 768
     x = meta(rows, width, dtype=dtype, grad=False)
     weight, bias = meta(width, dtype=dtype, grad=False), meta(width, dtype=dtype, grad=False)
-    with roofline.StepCounter() as counter:
+    with step_model.StepCounter() as counter:
         F.layer_norm(x, (width,), weight, bias)
     (op,) = counter.ops
     assert op.name == "native_layer_norm"
@@ -106,7 +106,7 @@ def test_sdpa_moves_far_fewer_bytes_than_the_hand_written_attention_for_as_many_
         attention = [op for op in ops if op.work == "attention"]
         totals[name] = (sum(op.bytes for op in attention), sum(op.flops for op in attention if op.matmul_dtype))
         if name == "sdpa":
-            assert {op.name for op in attention} & roofline.FLASH_OPS == roofline.FLASH_OPS
+            assert {op.name for op in attention} & step_model.FLASH_OPS == step_model.FLASH_OPS
     (eager_bytes, eager_flops), (sdpa_bytes, sdpa_flops) = totals["eager"], totals["sdpa"]
     assert sdpa_bytes < eager_bytes / 20, totals  # no tokens x tokens matrix
     # causal halves FlashAttention's work, its backward recomputes QK^T: 7/2 matmuls' worth against 6
@@ -145,9 +145,9 @@ def test_the_autocast_rules_give_the_dtypes_pytorchs_cuda_autocast_gives(number)
     with FakeTensorMode(), mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False), \
             mock.patch("torch.cuda.is_bf16_supported", return_value=True):
         cuda_autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-        with roofline.gpu_functions(None):  # only SDPA as FlashAttention, under PyTorch's own autocast
+        with step_model.gpu_functions(None):  # only SDPA as FlashAttention, under PyTorch's own autocast
             expected = forward("cuda", cuda_autocast)
-    emulated = forward("meta", roofline.gpu_functions(torch.bfloat16))
+    emulated = forward("meta", step_model.gpu_functions(torch.bfloat16))
     assert len(emulated) == len(expected)
     assert emulated == expected
     assert any(dtypes == [torch.bfloat16] for name, dtypes in emulated if name == "aten::mm")
@@ -230,7 +230,7 @@ def test_the_command_line_writes_the_three_files_for_an_h100(tmp_path, a100):
     assert table["gpu"] == "H100" and table["gpu_peaks"]["bandwidth_gb_per_s"] == 3350
     a100_rows = a100[0]["rungs"]
     for row, slower in zip(table["rungs"], a100_rows):
-        assert set(row["classes"]) == set(roofline.CLASSES)
+        assert set(row["classes"]) == set(step_model.CLASSES)
         assert row["ceiling_tok_per_sec"] > slower["ceiling_tok_per_sec"]  # more of everything than an A100
         assert "tutorial_tok_per_sec" not in row  # the tutorial measured an A100
     text = (tmp_path / "roofline.md").read_text()
@@ -249,11 +249,11 @@ def test_an_unknown_gpu_exits_2_with_one_line(tmp_path):
 
 
 def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
-    assert roofline.find_gpu("A100").bandwidth_gb_per_s == 2039
-    assert roofline.find_gpu("NVIDIA A100-SXM4-80GB").bandwidth_gb_per_s == 2039
-    assert roofline.find_gpu("A100 PCIe").bandwidth_gb_per_s == 1935
-    assert roofline.find_gpu("A100 40GB").bandwidth_gb_per_s == 1555
-    assert roofline.find_gpu("NVIDIA A100-PCIE-40GB").bandwidth_gb_per_s == 1555
-    assert roofline.find_gpu("H200").bandwidth_gb_per_s == 4800
-    assert roofline.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
+    assert step_model.find_gpu("A100").bandwidth_gb_per_s == 2039
+    assert step_model.find_gpu("NVIDIA A100-SXM4-80GB").bandwidth_gb_per_s == 2039
+    assert step_model.find_gpu("A100 PCIe").bandwidth_gb_per_s == 1935
+    assert step_model.find_gpu("A100 40GB").bandwidth_gb_per_s == 1555
+    assert step_model.find_gpu("NVIDIA A100-PCIE-40GB").bandwidth_gb_per_s == 1555
+    assert step_model.find_gpu("H200").bandwidth_gb_per_s == 4800
+    assert step_model.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
     assert ROOT.joinpath("bench", "roofline.py").exists()
