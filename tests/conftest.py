@@ -23,6 +23,18 @@ def gpu_tier_requested(config):
     return bool(paths) and all(path == GPU_TIER or GPU_TIER in path.parents for path in paths)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    # The CPU suite runs its files on two workers (pytest-xdist) unless -n is given (-n 0: one process): most tests
+    # wait on one single-threaded stage run, so one worker leaves a core of a 2-core machine idle. Whole files go to
+    # one worker (loadfile), so a file's shared runs are made once. The GPU tier stays in one process: two at once
+    # would share one GPU and spoil each other's timings.
+    is_worker = hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ  # a worker starts none
+    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None and not is_worker
+            and not gpu_tier_requested(config) and not config.option.collectonly):
+        config.option.numprocesses, config.option.dist = 2, "loadfile"
+
+
 def pytest_configure(config):
     # The CPU suite stays on the CPU on a machine with a GPU too (--device auto would pick CUDA: 2-process torchrun
     # tests on one GPU, CPU timings, CUDA's non-deterministic backward...). An empty CUDA_VISIBLE_DEVICES, set here
