@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import OutputError
+from common import OutputError, busy
 from data import UsageError, files
 
 LOCK_NAME = ".run.lock"  # in the output folder: held (flock) by the live run that writes there
@@ -195,7 +195,8 @@ def save_atomically(save, path):
     """files.save_atomically, with an OS error turned into an OutputError: one line naming the file and the
     error. The previous file stays whole and no temporary file is left (files.save_atomically sees to both)."""
     try:
-        files.save_atomically(save, path)
+        with busy(f"writing {Path(path).name}"):  # the heartbeat says so, and the wall clock counts it as output
+            files.save_atomically(save, path)
     except (OSError, RuntimeError) as raised:
         err = _os_error_in(raised)
         if err is None:

@@ -38,6 +38,11 @@ SHARDED_FOLDER = "model.dcp"  # beside model.pth
 def save_checkpoint(model, optimizer, checkpoint, path):
     """Every rank calls this. `checkpoint` holds the metadata and progress (the keys of checkpoints.CHECKPOINT_KEYS
     but the model and the optimizer); the weights and AdamW's state are added here."""
+    with common.busy("writing the sharded checkpoint"):  # the heartbeat says so; the wall clock counts it as output
+        _save_checkpoint(model, optimizer, checkpoint, path)
+
+
+def _save_checkpoint(model, optimizer, checkpoint, path):
     path = Path(path).absolute()
     parent = path.parent / SHARDED_FOLDER
     folder = [None]

@@ -93,6 +93,21 @@ def logged_losses(out):
     return {entry["step"]: (entry["train_loss"], entry["val_loss"]) for entry in log}
 
 
+def check_wall_clock(stdout, out, compiled):
+    """The run's wall clock: split into its phases in metrics.json, printed once as the log's last line, with
+    compilation time exactly where torch.compile ran."""
+    import common
+
+    split = json.loads((Path(out) / "metrics.json").read_text())["wall_clock_s"]
+    assert list(split) == [*common.WALL_CLOCK_PHASES, "total"], split
+    assert abs(sum(split[phase] for phase in common.WALL_CLOCK_PHASES) - split["total"]) < 0.05, split
+    for phase in ("start-up", "training", "evaluation", "sampling", "checkpoints and outputs"):
+        assert split[phase] > 0, (phase, split)
+    assert (split["compilation"] > 0) == compiled, split
+    lines = [line for line in stdout.splitlines() if line.startswith("Wall clock: ")]
+    assert lines == [common.wall_clock_line(split)] and stdout.rstrip().endswith(lines[0]), stdout[-2000:]
+
+
 @pytest.fixture(scope="session")
 def stage00():
     return load_stage("00_orig.py")

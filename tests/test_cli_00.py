@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import check_wall_clock, run_script
 
 LOG_LINE = re.compile(r"^Ep \d+, Step \d{6}, Train: \d+\.\d{3}, Val: \d+\.\d{3}, Step tok/sec: \d+, "
                       r"Avg tok/sec: (\d+|n/a)")
@@ -65,6 +65,7 @@ def test_tiny_run_end_to_end(stage00, small_text, tmp_path):
     # an untrained model starts near ln(50257) = 10.8; 30 steps must bring the validation loss down
     assert 10.0 < log[0]["val_loss"] < 11.5
     assert log[-1]["val_loss"] < log[0]["val_loss"] - 0.2, [entry["val_loss"] for entry in log]
+    check_wall_clock(result.stdout, out, compiled=False)
 
     # the checkpoint loads safely into a fresh model of the same stage
     checkpoint = torch.load(out / "model.pth", weights_only=True)

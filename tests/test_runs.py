@@ -192,3 +192,30 @@ def test_the_progress_line_says_when_and_what_torch_compile_compiles():
     heartbeat.doing = "evaluating"
     torch.compile(lambda x: torch.cos(x) * 2, backend=backend)(torch.ones(3))
     assert seen[-1].startswith("compiling the evaluation graph"), seen
+
+
+def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_interrupted():
+    import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their heartbeat starts)
+
+    import common
+
+    heartbeat = common.Heartbeat(every_s=3600)
+
+    def slow_backend(graph_module, example_inputs):  # a compilation that takes 0.6 s
+        time.sleep(0.6)
+        return graph_module.forward
+
+    heartbeat.doing = "training: epoch 1, step 0"
+    time.sleep(0.2)
+    torch.compile(lambda x: torch.tan(x) - 1, backend=slow_backend)(torch.ones(3))
+    heartbeat.doing = "evaluating"
+    time.sleep(0.1)
+    with common.busy("writing model.pth"):
+        time.sleep(0.1)
+    assert heartbeat.doing == "evaluating"  # back to what it was doing
+    heartbeat.doing = "generating a sample"
+    split = heartbeat.wall_clock()
+    assert 0.6 <= split["compilation"] < 1.2, split
+    assert 0.2 <= split["training"] < 0.6, split  # without the compilation it started
+    assert 0.1 <= split["evaluation"] < 0.6 and 0.1 <= split["checkpoints and outputs"] < 0.6, split
+    assert abs(split["total"] - common.process_age()) < 0.1, split  # the whole life of the process, start-up too

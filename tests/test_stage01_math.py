@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load_stage, run_script
+from conftest import check_wall_clock, load_stage, run_script
 
 REAL_VOCAB = 50257
 
@@ -143,6 +143,7 @@ def test_stage01_tiny_run_end_to_end(tmp_path, small_text, compile_flag):
     assert metrics["log"][-1]["val_loss"] < metrics["log"][0]["val_loss"]
     state = torch.load(tmp_path / "model.pth", weights_only=True)["model"]
     assert not any(key.startswith("_orig_mod") for key in state)  # uncompiled names
+    check_wall_clock(result.stdout, tmp_path, compiled=compile_flag is None)
     stage01 = load_stage("01_opt_single_gpu.py")
     stage01.GPTModel(stage01.TINY_CONFIG).load_state_dict(state, strict=True)
 

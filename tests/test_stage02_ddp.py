@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, load_stage, run_script
+from conftest import ROOT, check_wall_clock, load_stage, run_script
 
 STAGE = "02_opt_multi_gpu_ddp.py"
 LOG_LINE = re.compile(r"^Ep \d+, Step \d{6}, Train: \d+\.\d{3}, Val: \d+\.\d{3}, Step tok/sec: \d+, "
@@ -124,6 +124,7 @@ def test_torchrun_two_processes_end_to_end(stage02, small_text, tmp_path):
     checksum_lines = [line for line in stdout.splitlines() if line.startswith("Weight checksums")]
     assert checksum_lines == ["Weight checksums of the 2 ranks: identical"], stdout
     assert stdout.count("Wrote ") == 1, stdout
+    check_wall_clock(stdout, out, compiled=False)  # rank 0's, printed once
 
     # metrics.json: both replicas, all the tokens of both ranks
     metrics = read_metrics(out)

@@ -27,7 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 import common
 import sharding
-from conftest import ROOT, load_stage
+from conftest import ROOT, check_wall_clock, load_stage
 from test_speed_habits import compiled_frames, largest_allocation
 from test_stage02_ddp import clean_env, free_port, torchrun
 
@@ -310,6 +310,7 @@ def test_compiled_blocks_never_recompile_nor_break(runs):
     # per rank: the blocks' forward (one graph for both blocks), and the loss for training and for evaluation
     assert sorted(name for _, _, name in frames) == sorted(["forward", "training_loss", "evaluation_loss"] * 2)
     assert all(attempt == 0 for _, attempt, _ in frames), frames
+    check_wall_clock(stdout, runs.root / "compiled", compiled=True)  # the blocks' and the loss's compilation
 
 
 # ---------------------------------------------------------------------------------------------

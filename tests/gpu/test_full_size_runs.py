@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+import conftest as suite  # tests/conftest.py
 from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
 
 BATCH = 8  # 00's own batch: larger ones do not fit its float32 attention matrices
@@ -56,7 +57,8 @@ def shown(value, spec):
 
 
 def check_full_size_run(run, label, report):
-    """What every stage's log must show at full size: the run finished, with tok/s, MFU and reserved memory."""
+    """What every stage's log must show at full size: the run finished, with tok/s, MFU, reserved memory and its
+    wall clock split into phases (compilation from 01 on)."""
     entries = log_entries(run.stdout)
     metrics = run.metrics() if (run.out / "metrics.json").is_file() else {}
     memory = memory_gb(run.stdout)
@@ -73,6 +75,8 @@ def check_full_size_run(run, label, report):
         "log lines without MFU: the header's 'MFU' line says why (is this GPU in common.PEAK_TFLOPS?)" + run.describe())
     assert "reserved" in memory, "no 'Reserved memory: ... GB' line after the epoch" + run.describe()
     assert SAMPLE_PROMPT in run.stdout, "no sample after the epoch" + run.describe()
+    report(f"{label}: {common.wall_clock_line(metrics['wall_clock_s'])}; {run.seconds:.1f} s for the whole command")
+    suite.check_wall_clock(run.stdout, run.out, compiled=not label.startswith("00"))
     return metrics
 
 
