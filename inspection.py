@@ -20,6 +20,14 @@ PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profile
 REGION_LABELS = ("forward with loss", "backward", "optimizer step")
 SNAPSHOT_STEPS = 3  # steps of allocator history in a memory snapshot
 
+# The classes of work of a training step, the roofline's (bench/step_model.py) and the profile's breakdown, in the
+# order of their tables; a profile adds what the GPU does besides computing, and the time it waits.
+WORK_CLASSES = ("matmul", "attention", "norm_activation", "elementwise", "loss", "optimizer")
+WORK_LABELS = {"matmul": "matmuls", "attention": "attention", "norm_activation": "norms, activations",
+               "elementwise": "other elementwise", "loss": "loss", "optimizer": "optimizer",
+               "communication": "communication", "copies": "copies", "idle": "idle"}
+GPU_TIME_CLASSES = (*WORK_CLASSES, "communication", "copies", "idle")
+
 
 class RunInspection:
     """--profile and --memory-snapshot, the same in every stage; both off: it does nothing.
@@ -98,6 +106,9 @@ class RunInspection:
         self.report = (f"Profile of steps {steps} ({'CUDA' if self.cuda else 'CPU'} time; these steps are not in "
                        f"tok/s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)\n"
                        + averages.table(sort_by=sort_by, row_limit=15))
+        if self.cuda:  # and where each step's GPU time went, by class of work
+            with open(path, encoding="utf-8") as f:
+                self.report += "\n" + gpu_time_line(gpu_time_per_step(json.load(f)), steps)
 
     def _write_snapshot(self):
         torch, device = self.torch, self.snapshot
@@ -142,3 +153,84 @@ def export_trace(prof, path):
             os.fsync(f.fileno())
         raise OSError(errno.EIO, "the profiler's trace writer stopped part-way (incomplete trace)") from None
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a profiled step's GPU time goes, by class of work (also bench/step_time.py)
+# ---------------------------------------------------------------------------------------------
+
+# Kernel names decide, first match wins; they are the names a trace shows: cuBLAS's (sm90_xmma_gemm_..., nvjet_...,
+# cutlass_...), FlashAttention's and cuDNN's attention, PyTorch's eager kernels and Inductor's fused Triton kernels
+# (triton_red_fused__log_softmax_..., named after the operators they fuse). A fused kernel goes to the first class
+# its name matches, so the split is by name, not by FLOPs: good to a few percent on the small classes.
+KERNEL_NAME_CLASSES = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("loss", ("log_softmax", "logsoftmax", "nll_loss", "cross_entropy", "crossentropy")),
+    ("attention", ("softmax",)),  # an eager softmax is the attention's (00); the loss's is a log_softmax
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "splitkreduce", "triton_tem", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("norm_activation", ("layer_norm", "layernorm", "gelu", "tanh")),
+)
+GPU_BUSY_CATEGORIES = {"kernel": None, "gpu_memcpy": "copies", "gpu_memset": "copies"}
+
+
+def kernel_class(name):
+    """The class of work of one GPU kernel, from its name (KERNEL_NAME_CLASSES); the rest is elementwise."""
+    lowered = name.lower()
+    for work, words in KERNEL_NAME_CLASSES:
+        if any(word in lowered for word in words):
+            return work
+    return "elementwise"
+
+
+def gpu_time_per_step(trace):
+    """{class: seconds per profiled step, ..., "step": seconds, "steps": count} from a Chrome trace of
+    torch.profiler (a dict, as json.load gives it); None for a trace without GPU work.
+
+    Each kernel, copy and memset counts in full for its class. The window runs from the start of the first
+    profiled step to the end of the last, gaps between steps included (the GPU's spans of ProfilerStep#N where the
+    trace has them, else its first and last activity); "idle" is the part of it in which the GPU ran nothing at
+    all. The classes and idle add up to the step's time when one stream runs at a time; kernels of streams that
+    overlap (NCCL's beside the backward) add up to more.
+    """
+    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X"]
+    busy = [(float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)),
+             GPU_BUSY_CATEGORIES[event["cat"]] or kernel_class(event.get("name", "")))
+            for event in events if event.get("cat") in GPU_BUSY_CATEGORIES]
+    if not busy:
+        return None
+    step_spans = [(float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))) for event in events
+                  if event.get("cat") == "gpu_user_annotation" and str(event["name"]).startswith("ProfilerStep#")]
+    step_names = {event["name"] for event in events
+                  if event.get("cat") == "user_annotation" and str(event["name"]).startswith("ProfilerStep#")}
+    step_count = len(step_names) or len(step_spans) or 1
+    spans = step_spans or [(start, end) for start, end, _ in busy]
+    first, last = min(start for start, _ in spans), max(end for _, end in spans)
+    seconds = dict.fromkeys(GPU_TIME_CLASSES, 0.0)
+    for start, end, work in busy:
+        seconds[work] += (end - start) / 1e6  # the trace's times are in microseconds
+    in_window = [(max(start, first), min(end, last)) for start, end, _ in busy if start < last and end > first]
+    seconds["idle"] = max(0.0, (last - first) - _covered(in_window)) / 1e6
+    per_step = {work: value / step_count for work, value in seconds.items()}
+    return {**per_step, "step": (last - first) / 1e6 / step_count, "steps": step_count}
+
+
+def _covered(intervals):
+    """The length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def gpu_time_line(per_step, steps):
+    """One line: "GPU time per step of steps 6-8: 43.1 ms = matmuls 25.1 ms (58%) + ..." (classes that ran)."""
+    if per_step is None:
+        return f"GPU time per step of steps {steps}: the trace holds no GPU kernels"
+    step = per_step["step"]
+    parts = [f"{WORK_LABELS[work]} {1e3 * per_step[work]:.2f} ms ({per_step[work] / step:.0%})"
+             for work in GPU_TIME_CLASSES if per_step[work] > 0 or work == "idle"]
+    return f"GPU time per step of steps {steps} (kernels by name): {1e3 * step:.2f} ms = " + " + ".join(parts)

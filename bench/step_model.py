@@ -80,11 +80,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # common and bench.rungs, wherever the script is started from
 
 import common  # noqa: E402
+from inspection import WORK_CLASSES, WORK_LABELS  # noqa: E402
 
-# The six classes of work, in the order of the tables and the chart.
-CLASSES = ("matmul", "attention", "norm_activation", "elementwise", "loss", "optimizer")
-CLASS_LABELS = {"matmul": "matmuls", "attention": "attention", "norm_activation": "norms, activations",
-                "elementwise": "other elementwise", "loss": "loss", "optimizer": "optimizer"}
+# The six classes of work, in the order of the tables and the chart: the same as a profile's (bench/step_time.py).
+CLASSES = WORK_CLASSES
+CLASS_LABELS = {work: WORK_LABELS[work] for work in CLASSES}
 CLASS_WORDS = {"matmul": "matmul", "attention": "attention", "norm_activation": "norm and activation",
                "elementwise": "elementwise", "loss": "loss", "optimizer": "optimizer"}  # in a sentence
 CLASS_COLORS = {"matmul": "#4c72b0", "attention": "#dd8452", "norm_activation": "#55a868",

@@ -4,7 +4,6 @@ stop growing part-way on a real file, a checkout that cannot be written, and the
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile

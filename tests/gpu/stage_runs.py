@@ -117,6 +117,24 @@ def ddp_bucket_splits(stderr):
     return [int(buckets) for _, buckets in DDP_SPLIT.findall(stderr)]
 
 
+GPU_TIME_PART = re.compile(r"^(.+) ([\d.]+) ms \(\d+%\)$")
+
+
+def gpu_time_shares(stdout):
+    """{class: seconds per step, "step": seconds} from --profile's line "GPU time per step of steps 6-8 (kernels
+    by name): 43.10 ms = matmuls 25.10 ms (58%) + ..." (classes as in inspection.WORK_LABELS); {} without it."""
+    from inspection import WORK_LABELS
+
+    line = next((line for line in stdout.splitlines() if line.startswith("GPU time per step of steps")), None)
+    if line is None or " = " not in line:
+        return {}
+    total, parts = line.split(" = ", 1)
+    by_label = {label: work for work, label in WORK_LABELS.items()}
+    matches = [GPU_TIME_PART.match(part.strip()) for part in parts.split(" + ")]
+    shares = {by_label[m.group(1)]: float(m.group(2)) / 1e3 for m in matches if m and m.group(1) in by_label}
+    return {**shares, "step": float(re.search(r"([\d.]+) ms$", total).group(1)) / 1e3}
+
+
 def profile_rows(stdout):
     """The row names of the --profile table (torch.profiler's key_averages().table()), top row first.
 

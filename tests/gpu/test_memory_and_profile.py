@@ -1,14 +1,17 @@
-"""Memory and profiling on the GPU: no float32 logits in a compiled step, --memory-snapshot, the --profile table.
+"""Memory and profiling on the GPU: no float32 logits in a compiled step, --memory-snapshot, the --profile table
+and its GPU time by class of work.
 
 Budget on one H100: about 1.5 minutes for this file.
 """
 
 import pickle
+import subprocess
+import sys
 
 import torch
 
 from conftest import load_stage
-from gpu.stage_runs import profile_rows, run_stage
+from gpu.stage_runs import ROOT, gpu_time_shares, profile_rows, run_stage
 
 try:
     from inspection import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
@@ -127,3 +130,17 @@ def test_profile_table_ranks_kernels_and_operators_not_the_labelled_regions(tmp_
     assert "Self CUDA" in run.stdout, "the table has no GPU time columns" + run.describe()
     assert not labels, (f"rows that are labels, not work: {labels}; their device-side copies span whole steps and "
                         "top a table sorted by device time" + run.describe())
+
+    # where the step's GPU time went, by class: the kernel-name rules (inspection.kernel_class) on real kernels
+    shares = gpu_time_shares(run.stdout)
+    [trace] = (tmp_path / "profile").glob("*.pt.trace.json")
+    table = subprocess.run([sys.executable, "bench/step_time.py", str(trace)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    report(f"--profile (00): {next((line for line in run.stdout.splitlines() if line.startswith('GPU time')), None)}")
+    assert table.returncode == 0, table.stdout + table.stderr
+    missing = [work for work in ("matmul", "attention", "loss", "optimizer", "elementwise") if not shares.get(work)]
+    assert not missing, (f"no kernel time sorted into {missing}: the kernels' names escaped the rules of "
+                         f"inspection.KERNEL_NAME_CLASSES. bench/step_time.py lists the top kernels:\n{table.stdout}")
+    accounted = sum(seconds for work, seconds in shares.items() if work != "step")
+    assert abs(accounted / shares["step"] - 1) < 0.05, (f"one stream, so the classes and idle should add up to the "
+                                                        f"step: {shares}\n{table.stdout}")
