@@ -65,7 +65,8 @@ class RunInspection:
             self.profiler = torch.profiler.profile(
                 activities=activities, on_trace_ready=self._write_trace,
                 schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE,
-                                                 repeat=1, skip_first=first_step))
+                                                 repeat=1, skip_first=first_step),
+                acc_events=True)  # one cycle, so nothing accumulates; without it PyTorch 2.11 warns that it would not
             self.profiler.step_num = first_step  # ProfilerStep#N: N is the log's step number, also after --resume
             self.profiler.start()
             self.profiled_steps = range(first_step + PROFILE_WAIT, profiled_last)  # warm-up and active: off the clock
