@@ -43,7 +43,7 @@ def pytest_configure(config):
     # passing --device cpu in the runner helpers would not.
     if not gpu_tier_requested(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    # Two workers (pytest.ini) on two cores: one thread each for PyTorch in the workers and in every process they
+    # Two workers (above) on two cores: one thread each for PyTorch in the workers and in every process they
     # start, set before any of them imports torch. Two threads each would oversubscribe the cores and spin.
     if (getattr(config.option, "numprocesses", None) or 0) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
