@@ -286,12 +286,13 @@ def stop_process_group(process):
             continue
 
 
-def run_streaming(command, log_path, timeout, echo_prefix="    "):
-    """Run `command` from the repository root; stream its output to the console and to log_path.
+def run_streaming(command, log_path, timeout, echo_prefix="    ", env=None):
+    """Run `command` from the repository root (with `env` added to the environment); stream its output to the
+    console and to log_path.
 
     Returns (exit code or None when it timed out, the last lines of its output).
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     tail = deque(maxlen=100)  # torchrun's report of a failed child alone is some 40 lines
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(map(str, command))}\n")

@@ -1,0 +1,194 @@
+"""The stages as a user runs them, end to end: throughput, MFU, memory, and where each run's wall clock went.
+
+  python bench/stages.py            # on a GPU: the four runs below, into bench/results/<gpu>/stages/
+  python bench/stages.py --tiny     # the same runs with the tiny model and a few steps: a smoke test on a CPU
+
+The runs, each a fresh process with the stage's own defaults:
+
+  00       python 00_orig.py --max-steps 200          the baseline, cut short (a whole epoch takes minutes)
+  01-cold  python 01_opt_single_gpu.py                all five epochs, torch.compile with an empty cache
+  01-warm  python 01_opt_single_gpu.py                the same again, with the cache the cold run filled
+  02       torchrun --standalone --nproc_per_node=1 02_opt_multi_gpu_ddp.py    DDP at world size 1, empty cache
+
+torch.compile keeps what it compiled on disk (Inductor's and Triton's caches) and a second run loads it
+instead of compiling again. Each run here gets a cache folder of its own, empty, except 01-warm, which
+reuses 01-cold's, so "cold" and "warm" mean the same on every machine, whatever ran there before. The caches
+are deleted at the end.
+
+Every stage ends its log with its wall clock split into start-up, compilation, training, evaluation,
+sampling and outputs (metrics.json's wall_clock_s); this script sets those side by side with the whole
+command's time (torchrun's start included), the Avg tok/sec, MFU and memory of each run. It writes
+stages.md (the tables), stages.json (the numbers) and logs/<run>.log, and keeps each run's metrics.json and
+loss plots under runs/<run>/ (the checkpoints are deleted: 2 GB each at full size).
+
+Exit code 0 when every run finished, 1 when one failed (its row says how; its log has the rest), 2 for a
+wrong command line, 130 on Ctrl-C.
+"""
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # common and bench.ladder, wherever the script is started from
+
+import checkpoints  # noqa: E402  (needs the path above)
+import common  # noqa: E402
+from bench.ladder import (describe_device, drop_checkpoints, failure_from_output, git_revision,  # noqa: E402
+                          nvidia_driver, run_streaming, start_run_folder)
+
+TORCHRUN_ONE_PROCESS = ("torchrun", "--standalone", "--nproc_per_node=1")
+# name: (what the user types after python or torchrun, the flags of this run, whose compile cache it uses)
+RUNS = {
+    "00": (("00_orig.py",), ("--max-steps", "200"), "00"),
+    "01-cold": (("01_opt_single_gpu.py",), (), "01"),
+    "01-warm": (("01_opt_single_gpu.py",), (), "01"),
+    "02": ((*TORCHRUN_ONE_PROCESS, "02_opt_multi_gpu_ddp.py"), (), "02"),
+}
+TINY_STEPS = 12  # --tiny: every run stops there (with an evaluation every 4 steps)
+PHASES = common.WALL_CLOCK_PHASES
+
+
+def build_parser():
+    parser = common.OneLineParser(prog="bench/stages.py", description=__doc__, allow_abbrev=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"the stages' tiny model, {TINY_STEPS} steps each: a smoke test on a CPU")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help=f"which runs, comma-separated (default: all: {','.join(RUNS)}); 01-warm needs 01-cold")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="passed to every stage (default: auto)")
+    parser.add_argument("--out", help="results folder (default: bench/results/<gpu or cpu name>/stages/, "
+                                      "-tiny appended to the device's folder under --tiny)")
+    parser.add_argument("--run-timeout", type=common.whole_number(1), default=1200, metavar="SECONDS",
+                        help="stop a run that takes longer than this (default: 1200)")
+    return parser
+
+
+def chosen_runs(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in RUNS]
+    if unknown or not names:
+        raise common.UsageError(f"--runs {text}: unknown {', '.join(unknown) or 'empty list'}; the runs are "
+                                f"{', '.join(RUNS)}")
+    if "01-warm" in names and "01-cold" not in names:
+        raise common.UsageError("--runs: 01-warm reuses the compile cache that 01-cold fills: name both")
+    return [name for name in RUNS if name in names]  # in their own order: cold before warm
+
+
+def command_of(name, args, run_dir):
+    """(the command as a user types it, the command this script starts) for run `name`."""
+    typed, flags, _ = RUNS[name]
+    if args.tiny:
+        flags = ("--tiny", "--max-steps", str(TINY_STEPS), "--eval-freq", "4")
+    flags = (*flags, *(("--device", args.device) if args.device != "auto" else ()))
+    shown = ("python", *typed, *flags) if typed[0] != "torchrun" else (*typed, *flags)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", *typed[1:-1], "--log-dir", run_dir / "torchrun"]
+                if typed[0] == "torchrun" else [sys.executable])
+    return shlex.join(shown), [*launcher, ROOT / typed[-1], *flags, "--out", run_dir]
+
+
+def measure(name, args, out):
+    """Run one of RUNS into out/runs/<name> and read its metrics.json into a row."""
+    run_dir, log_path = out / "runs" / name, out / "logs" / f"{name}.log"
+    shown, command = command_of(name, args, run_dir)
+    cache = out / "compile-cache" / RUNS[name][2]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    start_run_folder(run_dir)
+    print(f"[{name}] $ {shown}", flush=True)
+    started = time.monotonic()
+    try:
+        code, tail = run_streaming(command, log_path, args.run_timeout, env=env)
+    finally:
+        drop_checkpoints(run_dir)
+    seconds = time.monotonic() - started
+    row = {"run": name, "command": shown, "command_seconds": round(seconds, 1), "error": None}
+    metrics_path = run_dir / "metrics.json"
+    if code != 0 or not metrics_path.exists():
+        return {**row, "error": failure_from_output(code, tail, args.run_timeout)}
+    metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+    log = metrics.get("log") or [{}]
+    row.update({key: metrics.get(key) for key in ("steps", "tokens_seen", "avg_tok_per_sec", "mfu", "reserved_gb",
+                                                  "peak_reserved_gb", "world_size", "precision")})
+    row.update({"batch_size": (metrics.get("settings") or {}).get("batch_size"),
+                "final_val_loss": log[-1].get("val_loss"), "wall_clock_s": metrics.get("wall_clock_s")})
+    print(f"[{name}] done in {seconds:.0f} s: {common.wall_clock_line(row['wall_clock_s'])}", flush=True)
+    return row
+
+
+def _cell(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+def render_markdown(report):
+    lines = [f"# The stages end to end on {report['device']}", "",
+             f"{report['date']} | PyTorch {report['torch']}, CUDA {report['cuda'] or '-'}, driver "
+             f"{report['driver'] or '-'}, Python {report['python']} | commit {report['git'] or '-'} | "
+             f"`{report['command']}`", "",
+             "| run | command | steps | batch | Avg tok/sec | MFU | reserved GB | peak reserved GB | final val loss |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in report["runs"]:
+        if row["error"]:
+            lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} | | | | | | |")
+            continue
+        lines.append(f"| {row['run']} | `{row['command']}` | {row['steps']} | {row['batch_size']} | "
+                     f"{_cell(row['avg_tok_per_sec'], ',.0f')} | {_cell(row['mfu'], '.1%')} | "
+                     f"{_cell(row['reserved_gb'], '.2f')} | {_cell(row['peak_reserved_gb'], '.2f')} | "
+                     f"{_cell(row['final_val_loss'], '.3f')} |")
+    lines += ["", "Wall clock, in seconds: the whole command, then the run's own split from the moment its process "
+                  "started (the last line of its log; torchrun's start and the process's exit are outside it).", "",
+              "| run | whole command | " + " | ".join(PHASES) + " |",
+              "| --- | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
+    for row in report["runs"]:
+        split = row.get("wall_clock_s") or {}
+        lines.append(f"| {row['run']} | {row['command_seconds']:.1f} | "
+                     + " | ".join(_cell(split.get(phase), '.1f') for phase in PHASES) + " |")
+    lines += ["", "01-cold compiled into an empty cache, 01-warm into the cache 01-cold filled; 00 and 02 each had "
+                  "an empty one. Avg tok/sec leaves out each run's first log interval (warm-up and compilation); "
+                  "memory is in GiB, reserved at the end of the run and its peak."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        names = chosen_runs(args.runs)
+        device_info = describe_device(args)
+        out = Path(args.out) if args.out else (ROOT / "bench" / "results" / (device_info["slug"] + (
+            "-tiny" if args.tiny else "")) / "stages")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "logs").mkdir(exist_ok=True)
+    except common.UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return common.EXIT_USAGE
+    except OSError as err:
+        print(f"error: cannot write into {args.out}: {err.strerror or err}", file=sys.stderr)
+        return common.EXIT_USAGE
+    report = {"device": device_info["description"], "device_name": device_info["name"], "torch": device_info["torch"],
+              "cuda": device_info["cuda"], "driver": nvidia_driver(), "python": device_info["python"],
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
+              "command": shlex.join(["python", "bench/stages.py", *(argv if argv is not None else sys.argv[1:])]),
+              "runs": []}
+    try:
+        for name in names:
+            report["runs"].append(measure(name, args, out))
+            checkpoints.write_json(report, out / "stages.json")  # after every run: a cut-off keeps what finished
+            checkpoints.save_atomically(lambda tmp: Path(tmp).write_text(render_markdown(report)), out / "stages.md")
+    except KeyboardInterrupt:
+        print("interrupted: the runs that finished are in stages.md", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(out / "compile-cache", ignore_errors=True)
+    print(render_markdown(report))
+    print(f"Wrote {out}/stages.md, stages.json and logs/")
+    return common.EXIT_FAILED if any(row["error"] for row in report["runs"]) else common.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
