@@ -89,13 +89,16 @@ def parse_rungs(text):
 
 
 def build_parser():
+    from bench.rungs import OPTIONS
+
     parser = common.OneLineParser(prog="bench/ladder.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help="the stages' tiny model and batch and fewer steps: every rung in a few minutes "
                              "on a CPU")
-    parser.add_argument("--rungs", type=parse_rungs, default="all",
-                        help="which rungs: 'all', a list like 0,8,10 or ranges like 0-7 (default: all)")
+    parser.add_argument("--rungs", type=parse_rungs,
+                        help="which rungs: 'all', a list like 0,8,10 or ranges like 0-7 (default: all; 0-10 with "
+                             "--option)")
     parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
@@ -125,6 +128,10 @@ def build_parser():
     parser.add_argument("--check-scripts", action="store_true",
                         help="also run 00_orig.py and 01_opt_single_gpu.py as they are, with the same steps, "
                              "and set their own tok/s beside rungs 0 and 10 (a cross-check of the composition)")
+    parser.add_argument("--option", action="append", default=[], choices=tuple(OPTIONS), metavar="NAME",
+                        help=f"a change to try on top of the composed rungs 0-10 before it goes into 01 "
+                             f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets); the results "
+                             "go to a folder of their own (-<option> appended)")
     parser.add_argument("--rung-timeout", type=common.whole_number(1), metavar="SECONDS",
                         help="stop a rung that runs longer than this (default: 1800; 900 with --tiny)")
     # Internal worker modes: ladder.py starts itself with these, one fresh process per rung.
@@ -135,6 +142,15 @@ def build_parser():
 
 
 def resolve_defaults(args):
+    if args.rungs is None:
+        args.rungs = parse_rungs("0-10" if args.option else "all")
+    if args.option and any(number >= 11 for number in args.rungs) and args.run_rung is None:
+        raise common.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
+                                "as they are): add --rungs 0-10, or a subset of it")
+    if args.option and args.check_scripts:
+        raise common.UsageError("--option changes the composed rungs only: --check-scripts would compare them with "
+                                "scripts that lack it")
+    args.option = list(dict.fromkeys(args.option))  # each once
     defaults = TINY_DEFAULTS if args.tiny else FULL_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -229,12 +245,13 @@ def run_rung_main(args):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         heartbeat.doing = "composing the rung from the stage scripts"
+        rungs.apply_options(args.option)  # --option: measured options, switched on before anything compiles
         rung = rungs.compose(number, device, args.tiny, seed=args.seed, model=args.model,
                              batch_size=args.batch_size)
         parameters = sum(p.numel() for p in rung.model.parameters())
         result.update(precision=rung.precision, batch_size=rung.batch_size, vocab_size=rung.cfg["vocab_size"],
                       context_length=rung.cfg["context_length"], parameters=parameters, world_size=1,
-                      notes=rung.notes)
+                      notes=rung.notes + [f"option {name}: {rungs.OPTIONS[name]}" for name in args.option])
         say(f"{rungs.CHANGES[number]} | {parameters:,} parameters | batch {rung.batch_size} x "
             f"{rung.cfg['context_length']} tokens | precision {rung.precision} | "
             f"{common.describe_device(device)}" + "".join(f" | {note}" for note in rung.notes))
@@ -327,7 +344,8 @@ def worker_command(args, *mode):
     command = [sys.executable, Path(__file__).resolve(), *mode, "--data", args.data, "--device", args.device,
                "--seed", args.seed, "--warmup", args.warmup, "--steps", args.steps, "--windows", args.windows,
                "--model", args.model]
-    return command + (["--tiny"] if args.tiny else []) + (["--batch-size", args.batch_size] if args.batch_size else [])
+    return (command + (["--tiny"] if args.tiny else []) + (["--batch-size", args.batch_size] if args.batch_size else [])
+            + [flag for name in args.option for flag in ("--option", name)])
 
 
 def describe_device(args):
@@ -605,8 +623,8 @@ def stop_on_signals():
 def results_folder(args, device_info):
     if args.out:
         return Path(args.out)
-    name = device_info["slug"] + (f"-{args.model}" if args.model != "gpt2-small" else "") + (
-        "-tiny" if args.tiny else "")
+    name = device_info["slug"] + (f"-{args.model}" if args.model != "gpt2-small" else "") + "".join(
+        f"-{option}" for option in sorted(args.option)) + ("-tiny" if args.tiny else "")
     return ROOT / "bench" / "results" / name
 
 
@@ -618,7 +636,8 @@ def new_part(args, device_info, started_at):
         "torch": device_info["torch"], "python": device_info["python"], "date": started_at,
         "settings": {"tiny": args.tiny, "model": args.model, "batch_size": args.batch_size, "data": args.data,
                      "seed": args.seed, "warmup_steps": args.warmup, "steps": args.steps,
-                     "windows": min(args.windows, args.steps), "device": args.device},
+                     "windows": min(args.windows, args.steps), "device": args.device,
+                     "options": ",".join(sorted(args.option)) or None},
         "reference_source": report.REFERENCE_SOURCE,
         "parts": [{"started_at": started_at, "command": shlex.join(["python", "bench/ladder.py", *sys.argv[1:]]),
                    "git": git_revision(), "rungs": list(args.rungs), "seconds": 0}],
@@ -705,8 +724,8 @@ def run_ladder(args):
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    args = resolve_defaults(build_parser().parse_args(argv))
     try:
+        args = resolve_defaults(build_parser().parse_args(argv))
         if args.run_rung is not None:
             return run_rung_main(args)
         if args.describe_device:

@@ -57,7 +57,7 @@ INTERRUPTED = "interrupted"  # the error of a rung stopped by Ctrl-C: such a row
 MATCHED_FIELDS = {"device_name": "device", "gpu_count": "visible GPUs", "torch": "PyTorch", "cuda": "CUDA"}
 MATCHED_SETTINGS = {"device": "device", "model": "--model", "tiny": "--tiny", "batch_size": "--batch-size",
                     "data": "--data", "seed": "--seed", "warmup_steps": "--warmup", "steps": "--steps",
-                    "windows": "--windows"}
+                    "windows": "--windows", "options": "--option"}
 ROOFLINE_NAME = "roofline.json"
 
 
@@ -316,7 +316,8 @@ def describe_model(settings):
     model = "the stages' --tiny model" if settings["tiny"] else settings.get("model", "gpt2-small")
     batch = (f"--batch-size {settings['batch_size']} for every rung" if settings.get("batch_size")
              else "each stage's own batch")
-    return f"{model}, {batch}"
+    options = f", with --option {settings['options']} on every rung" if settings.get("options") else ""
+    return f"{model}, {batch}{options}"
 
 
 def render_markdown(report):

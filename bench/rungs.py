@@ -51,11 +51,40 @@ CHANGES = {
     11: "DDP on every GPU: 02_opt_multi_gpu_ddp.py",
     12: "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py",
 }
+# Measured options: a change tried on top of the composed rungs (0-10) before it earns a place in 01, each one
+# a setting of PyTorch that a reader could add to 01 in a line. The ladder measures a rung with and without one
+# (--option NAME, into a results folder of its own) and the change is kept only if the numbers show it.
+OPTIONS = {
+    "max-autotune": "torch._inductor.config.max_autotune = True: Inductor benchmarks Triton templates against "
+                    "cuBLAS for every matmul shape and tunes its kernels' launch settings (compiles for minutes)",
+    "coordinate-descent": "torch._inductor.config.coordinate_descent_tuning = True: Inductor tunes the block "
+                          "sizes of its own kernels (the loss's and the norms' reductions) one step at a time",
+    "cudnn-attention": "SDPA on cuDNN's attention kernels only (torch.backends.cuda: flash, memory-efficient and "
+                       "math off): NVIDIA's own FlashAttention for Hopper instead of PyTorch's",
+}
 SINGLE_PROCESS_RUNGS = range(0, 11)
 MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
 ALL_RUNGS = range(0, 13)
 
 _load_counter = itertools.count()
+
+
+def apply_options(names):
+    """Switch on the measured options `names` (keys of OPTIONS) for this process; before the rung is composed."""
+    for name in names:
+        if name == "max-autotune":
+            import torch._inductor.config as inductor_config
+            inductor_config.max_autotune = True
+        elif name == "coordinate-descent":
+            import torch._inductor.config as inductor_config
+            inductor_config.coordinate_descent_tuning = True
+        elif name == "cudnn-attention":
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_math_sdp(False)  # no silent fallback: a rung without cuDNN fails, and says so
+            torch.backends.cuda.enable_cudnn_sdp(True)
+        else:
+            raise ValueError(f"unknown option {name!r}; the options are {', '.join(OPTIONS)}")
 
 
 def load_stage(filename):

@@ -277,7 +277,7 @@ def hand_made_part(speeds, started_at="2026-01-01 00:00:00 UTC", **differences):
     """The report of one part as bench/ladder.py builds it before the merge; `differences` changes its header or
     settings (torch="2.0", steps=5...)."""
     settings = {"tiny": False, "model": "gpt2-small", "batch_size": None, "data": "shakespeare", "seed": 123,
-                "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda"}
+                "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda", "options": None}
     part = {"device": "NVIDIA X (compute capability 9.0, CUDA 12.8)", "device_name": "NVIDIA X", "gpu_count": 1,
             "driver": "570.00", "cuda": "12.8", "torch": "2.9.0", "python": "3.12", "date": started_at,
             "settings": settings, "reference_source": report.REFERENCE_SOURCE,
@@ -342,7 +342,8 @@ def test_a_part_measured_otherwise_is_refused(tmp_path):
                           (dict(steps=10), "--steps: 30 there, 10 here"), (dict(warmup_steps=2), "--warmup"),
                           (dict(batch_size=16), "--batch-size: the stages' own there, 16 here"),
                           (dict(model="gpt2-medium"), "--model: gpt2-small there, gpt2-medium here"),
-                          (dict(tiny=True), "--tiny"), (dict(data="middlemarch"), "--data"), (dict(seed=1), "--seed")):
+                          (dict(tiny=True), "--tiny"), (dict(data="middlemarch"), "--data"), (dict(seed=1), "--seed"),
+                          (dict(options="max-autotune"), "--option: none there, max-autotune here")):
         with pytest.raises(report.UsageError, match="holds rungs measured otherwise") as refused:
             report.refuse_a_different_part(existing, hand_made_part({1: (110.0, 1.0)}, **change), "ladder.json")
         assert named in str(refused.value) and "\n" not in str(refused.value)
@@ -358,6 +359,62 @@ def test_the_ladder_refuses_a_part_measured_otherwise_and_writes_nothing(tmp_pat
     assert len(done.stderr.strip().splitlines()) == 1 and "PyTorch: 1.0.0 there" in done.stderr
     assert (out / "ladder.json").read_bytes() == before and sorted(path.name for path in out.iterdir()) == [
         "ladder.json"]
+
+
+def test_options_switch_on_what_they_name_and_nothing_else():
+    import torch._inductor.config as inductor_config
+
+    backends = torch.backends.cuda
+    saved = (inductor_config.max_autotune, inductor_config.coordinate_descent_tuning, backends.flash_sdp_enabled(),
+             backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled(), backends.cudnn_sdp_enabled())
+    try:
+        rungs.apply_options(["max-autotune"])
+        assert inductor_config.max_autotune and inductor_config.coordinate_descent_tuning == saved[1]
+        rungs.apply_options(["coordinate-descent", "cudnn-attention"])
+        assert inductor_config.coordinate_descent_tuning
+        others = (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
+        assert backends.cudnn_sdp_enabled() and not any(others)
+        with pytest.raises(ValueError, match="unknown option"):
+            rungs.apply_options(["fast"])
+    finally:
+        inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
+        for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
+                                  backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
+            enable(value)
+    assert sorted(rungs.OPTIONS) == ["coordinate-descent", "cudnn-attention", "max-autotune"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--option", "max-autotune", "--rungs", "8-11"), "--option applies to the composed rungs 0-10"),
+    (("--option", "max-autotune", "--check-scripts"), "--check-scripts would compare them"),
+    (("--option", "fastest"), "invalid choice: 'fastest'"),
+])
+def test_an_option_stays_on_the_composed_rungs(flags, message, tmp_path, capsys):
+    try:
+        code = ladder.main([*flags, "--out", str(tmp_path / "out")])
+    except SystemExit as exited:  # argparse's own refusal
+        code = exited.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
+    args = ladder.resolve_defaults(ladder.build_parser().parse_args(["--tiny", "--option", "max-autotune",
+                                                                     "--option", "coordinate-descent"]))
+    assert args.rungs == list(range(11)) and args.option == ["max-autotune", "coordinate-descent"]
+    folder = ladder.results_folder(args, {"slug": "nvidia-h100-80gb-hbm3"})
+    assert folder.name == "nvidia-h100-80gb-hbm3-coordinate-descent-max-autotune-tiny"
+    out = tmp_path / "out"
+    done = run_script("bench/ladder.py", "--tiny", "--rungs", "6", "--warmup", "1", "--steps", "2", "--data",
+                      small_text, "--option", "coordinate-descent", "--out", out, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    measured = json.loads((out / "ladder.json").read_text())
+    assert measured["settings"]["options"] == "coordinate-descent"
+    assert any(note.startswith("option coordinate-descent: torch._inductor.config.coordinate_descent_tuning")
+               for note in measured["rungs"][0]["notes"]), measured["rungs"][0]
+    assert "with --option coordinate-descent on every rung" in (out / "ladder.md").read_text()
 
 
 def test_ratios_name_the_rung_they_compare_with():
