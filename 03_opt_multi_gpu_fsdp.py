@@ -555,9 +555,9 @@ def main():
         "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
     }
-    plot_losses(history, out / "loss")
     metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
     checkpoints.write_json(metrics, out / "metrics.json")
+    plot_losses(history, out / "loss")
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
     print(common.wall_clock_line(metrics["wall_clock_s"]))
 
