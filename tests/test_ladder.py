@@ -158,12 +158,13 @@ def test_batch_size_overrides_a_rung_and_its_row_says_so():
 
 def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
     args = argparse.Namespace(data="shakespeare", device="cpu", seed=1, model="gpt2-medium", tiny=False,
-                              batch_size=8, warmup=1, steps=2, windows=2)
+                              batch_size=8, warmup=1, steps=2, windows=2, option=["max-autotune"])
     flags = list(map(str, ladder.script_flags(args, tmp_path / "run", max_steps=4, window=1)))
     assert flags[flags.index("--model") + 1] == "gpt2-medium" and flags[flags.index("--batch-size") + 1] == "8"
     assert flags[flags.index("--out") + 1] == str(tmp_path / "run")
     worker = list(map(str, ladder.worker_command(args, "--run-rung", 3)))
     assert worker[worker.index("--model") + 1] == "gpt2-medium" and worker[worker.index("--batch-size") + 1] == "8"
+    assert worker[worker.index("--option") + 1] == "max-autotune"  # each rung's process switches it on itself
 
 
 def test_a_missing_stage_script_is_a_failed_row(tmp_path, monkeypatch):
