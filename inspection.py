@@ -99,7 +99,8 @@ class RunInspection:
 
     def _write_trace(self, prof):
         path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
-        checkpoints.save_atomically(lambda tmp: export_trace(prof, tmp), path)
+        written = []  # the trace as it was read back to check the write: parsed once
+        checkpoints.save_atomically(lambda tmp: written.append(export_trace(prof, tmp)), path)
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         steps = f"{self.profiled_steps.start + PROFILE_WARMUP}-{self.profiled_steps.stop - 1}"
         averages = prof.key_averages()
@@ -108,8 +109,7 @@ class RunInspection:
                        f"tok/s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)\n"
                        + averages.table(sort_by=sort_by, row_limit=15))
         if self.cuda:  # and where each step's GPU time went, by class of work
-            with open(path, encoding="utf-8") as f:
-                self.report += "\n" + gpu_time_line(gpu_time_per_step(json.load(f)), steps)
+            self.report += "\n" + gpu_time_line(gpu_time_per_step(written[-1]), steps)
 
     def _write_snapshot(self):
         torch, device = self.torch, self.snapshot
@@ -139,14 +139,15 @@ def is_label(row):
 def export_trace(prof, path):
     """prof.export_chrome_trace, with a failed write raised as an OSError. The trace is written in C++ (Kineto),
     which only logs a failed write and leaves an incomplete file: a trace that does not parse is that case, and
-    one more write from Python brings out the OS error behind it (a full disk, a size limit)."""
+    one more write from Python brings out the OS error behind it (a full disk, a size limit). Returns the trace
+    as read back."""
     try:
         prof.export_chrome_trace(path)
     finally:
         Path(f"{path}.tmp").unlink(missing_ok=True)  # Kineto's own temporary file, left behind by a failed write
     try:
         with open(path, encoding="utf-8") as f:
-            json.load(f)
+            return json.load(f)
     except ValueError:
         with open(path, "ab") as f:
             f.write(b" " * 2**20)  # whitespace after JSON: harmless, and enough to meet a full disk or a size limit
