@@ -54,6 +54,7 @@ CHANGES = {
 # Measured options: a change tried on top of the composed rungs (0-10) before it earns a place in 01, each one
 # a setting of PyTorch that a reader could add to 01 in a line. The ladder measures a rung with and without one
 # (--option NAME, into a results folder of its own) and the change is kept only if the numbers show it.
+MEMORY_BUDGET = 0.8  # any value from 0.7 to 0.95 gives gpt2-small the same partition: no matmul recomputed
 OPTIONS = {
     "max-autotune": "torch._inductor.config.max_autotune = True: Inductor benchmarks Triton templates against "
                     "cuBLAS for every matmul shape and tunes its kernels' launch settings (compiles for minutes)",
@@ -61,6 +62,9 @@ OPTIONS = {
                           "sizes of its own kernels (the loss's and the norms' reductions) one step at a time",
     "cudnn-attention": "SDPA on cuDNN's attention kernels only (torch.backends.cuda: flash, memory-efficient and "
                        "math off): NVIDIA's own FlashAttention for Hopper instead of PyTorch's",
+    "memory-budget": f"torch._functorch.config.activation_memory_budget = {MEMORY_BUDGET}: the compiled step saves "
+                     "less for its backward and recomputes the norms, GELU and the residual stream there "
+                     "(bench/memory_model.py shows what it saves)",
 }
 SINGLE_PROCESS_RUNGS = range(0, 11)
 MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
@@ -78,6 +82,9 @@ def apply_options(names):
         elif name == "coordinate-descent":
             import torch._inductor.config as inductor_config
             inductor_config.coordinate_descent_tuning = True
+        elif name == "memory-budget":
+            import torch._functorch.config as functorch_config
+            functorch_config.activation_memory_budget = MEMORY_BUDGET
         elif name == "cudnn-attention":
             torch.backends.cuda.enable_flash_sdp(False)
             torch.backends.cuda.enable_mem_efficient_sdp(False)

@@ -64,6 +64,26 @@ def load_stage(filename):
     return module
 
 
+def aten_dtypes():
+    """A dispatch mode that records (aten op name, output dtypes) of every aten op run under it, in order (.ops)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AtenDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name.startswith("aten::"):
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                self.ops.append((func._schema.name, [o.dtype for o in outs if isinstance(o, torch.Tensor)]))
+            return out
+
+    return AtenDtypes()
+
+
 def run_script(*args, timeout=300, env=None):
     """Run `python <args>` from the repository root, offline, and return the CompletedProcess."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

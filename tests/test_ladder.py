@@ -363,11 +363,13 @@ def test_the_ladder_refuses_a_part_measured_otherwise_and_writes_nothing(tmp_pat
 
 
 def test_options_switch_on_what_they_name_and_nothing_else():
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     backends = torch.backends.cuda
     saved = (inductor_config.max_autotune, inductor_config.coordinate_descent_tuning, backends.flash_sdp_enabled(),
              backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled(), backends.cudnn_sdp_enabled())
+    saved_budget = functorch_config.activation_memory_budget
     try:
         rungs.apply_options(["max-autotune"])
         assert inductor_config.max_autotune and inductor_config.coordinate_descent_tuning == saved[1]
@@ -375,14 +377,18 @@ def test_options_switch_on_what_they_name_and_nothing_else():
         assert inductor_config.coordinate_descent_tuning
         others = (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
         assert backends.cudnn_sdp_enabled() and not any(others)
+        assert functorch_config.activation_memory_budget == saved_budget == 1.0
+        rungs.apply_options(["memory-budget"])
+        assert functorch_config.activation_memory_budget == rungs.MEMORY_BUDGET < 1
         with pytest.raises(ValueError, match="unknown option"):
             rungs.apply_options(["fast"])
     finally:
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
+        functorch_config.activation_memory_budget = saved_budget
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
-    assert sorted(rungs.OPTIONS) == ["coordinate-descent", "cudnn-attention", "max-autotune"]
+    assert sorted(rungs.OPTIONS) == ["coordinate-descent", "cudnn-attention", "max-autotune", "memory-budget"]
 
 
 @pytest.mark.parametrize("flags, message", [

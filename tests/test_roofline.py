@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, load_stage, run_script
+from conftest import ROOT, aten_dtypes, load_stage, run_script
 
 import common
 from bench import rungs, step_model
@@ -120,24 +120,11 @@ def test_the_autocast_rules_give_the_dtypes_pytorchs_cuda_autocast_gives(number)
     the rules matter most: hand-written attention, LayerNorm and GELU, whose softmax and pow autocast runs in
     float32; rung 7's SDPA is FlashAttention's op on both sides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Dtypes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func._schema.name.startswith("aten::"):
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                self.ops.append((func._schema.name, [o.dtype for o in outs if isinstance(o, torch.Tensor)]))
-            return out
 
     def forward(device, autocast):
         rung = rungs.compose_for_gpu(number, torch.device(device), True, "bf16")
         ids = torch.zeros(2, 64, dtype=torch.long, device=device)
-        recorder = Dtypes()
+        recorder = aten_dtypes()
         with recorder, autocast:
             rung.loss(ids, ids)
         return recorder.ops

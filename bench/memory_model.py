@@ -1,0 +1,295 @@
+"""What a compiled rung's training step keeps in GPU memory, counted by PyTorch's own partitioner, on a CPU.
+
+torch.compile splits the training step into a forward graph and a backward graph (AOTAutograd). Every tensor the
+backward needs is either saved by the forward, and so stays in memory from the moment it is made until the backward
+has used it, or recomputed in the backward from what was saved. Which ones are saved is decided by the min-cut
+partitioner, the same code on every device; `torch._functorch.config.activation_memory_budget` (1.0 by default)
+tells it how much of that memory it may keep, and below 1.0 it recomputes the cheapest work first.
+
+This script runs that decision for a compiled rung (8, 9 or 10; rung 10 is 01_opt_single_gpu.py as it is) at full
+size, without a GPU and without memory:
+- the rung is composed as the ladder composes it (bench.rungs.compose_for_gpu), on fake tensors (shapes, dtypes,
+  no storage), under bf16 autocast;
+- SDPA is called as FlashAttention's own aten op (bench.step_model.flash_attention), which is what CUDA runs at
+  these shapes (on a CPU, SDPA with dropout takes its math path and would save the tokens x tokens matrix);
+- torch.compile runs Dynamo, AOTAutograd and Inductor's graph passes and partitioner, up to the point where Inductor
+  would generate kernels; there, the forward and backward graphs are kept instead, and the forward graph's outputs
+  are read: the loss and the saved tensors, with their exact shapes and dtypes.
+CUDA's autocast and CPU's pick the same dtypes for every op of these models (checked op by op in
+tests/test_memory_model.py), and the dropout masks come from Inductor's own random numbers on both.
+
+The peak it reports is a model, not a measurement: at the start of the backward the GPU holds the float32 weights,
+AdamW's two moments (12 bytes per parameter; the gradients were freed by zero_grad and are rebuilt during the
+backward), everything saved, and the loss's gradient with respect to the logits, as large as the logits, which the
+fused loss backward writes while the saved logits are still alive. The caching allocator reserves somewhat more than
+that (it rounds blocks and keeps freed ones). What the GPU reports, `Reserved memory` in a stage's log and
+`peak_reserved_gb` in the ladder, is the measurement.
+
+    python bench/memory_model.py                    # rung 10: 01 at batch 32
+    python bench/memory_model.py --budget 0.8       # what the ladder's --option memory-budget sets
+    python bench/memory_model.py --rung 8 --model gpt2-medium --batch-size 4
+"""
+
+import argparse
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # common and bench, wherever the script is started from
+
+import torch  # noqa: E402
+
+from bench.rungs import compose_for_gpu  # noqa: E402
+from bench.step_model import flash_attention  # noqa: E402
+
+COMPILED_RUNGS = (8, 9, 10)
+MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# Ops that make a view or a cast of one tensor: a saved tensor is named after the op its data came from
+PASS_THROUGH = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "squeeze", "unsqueeze",
+                "slice", "select", "alias"}
+SPLITS = {"split", "split_with_sizes", "chunk", "unbind"}  # their outputs share the input's memory
+
+
+# What the saved tensors of these models are, for the table: (end of the module's path, made by) -> words
+KNOWN = [
+    ("out_head", "mm", "the logits, for the loss's backward"),
+    ("ff.layers.0", "addmm", "the MLP's hidden layer, GELU's input"),
+    ("ff.layers.2", "cast of mul", "GELU's output, the second MLP matmul's input"),
+    ("ff.layers.0", "cast of add", "norm2's output, the first MLP matmul's input"),
+    ("att", "mm", "Q, K and V (views of the qkv matmul's output)"),
+    ("att.qkv", "cast of add", "norm1's output, the qkv matmul's input"),
+    ("att", "_scaled_dot_product_flash_attention[0]", "attention's output"),
+    ("att", "_scaled_dot_product_flash_attention[1]", "attention's log-sum-exp per row"),
+    ("norm1", "mul", "(x - mean) / std, for the norm's backward"),
+    ("norm2", "mul", "(x - mean) / std, for the norm's backward"),
+    ("final_norm", "mul", "(x - mean) / std, for the norm's backward"),
+    ("out_head", "cast of add", "final_norm's output, the head's input"),
+    ("drop_shortcut", "gt", "dropout masks, 1 byte per element"),
+    ("drop_emb", "gt", "dropout mask, 1 byte per element"),
+    ("tok_emb", "embedding", "the token embeddings"),
+    ("-", "cast of a parameter", "a weight's bf16 copy, for the matmuls' backward"),
+]
+
+
+def describe(module, made_by):
+    """Words for a saved tensor of these models, or an empty string."""
+    return next((words for end, op, words in KNOWN if module.endswith(end) and made_by == op), "")
+
+
+@dataclass
+class Saved:
+    """One tensor the forward graph hands to the backward graph."""
+    module: str       # where the model made it, the block's number replaced by *: trf_blocks.*.norm1
+    made_by: str      # the aten op its data came from: addmm, native_dropout's mask (gt), flash attention[1], ...
+    dtype: torch.dtype
+    shape: tuple
+    nbytes: int
+
+
+@dataclass
+class StepMemory:
+    rung: int
+    model: str
+    batch_size: int
+    context_length: int
+    vocab_size: int
+    budget: float
+    num_params: int
+    saved: list             # Saved, in the forward graph's order
+    backward_matmuls: int   # mm, addmm and bmm calls in the backward graph: recomputed matmuls add to them
+    logits_bytes: int       # the logits' gradient, as large as the logits in the autocast dtype
+
+    @property
+    def saved_bytes(self):
+        return sum(item.nbytes for item in self.saved)
+
+    @property
+    def states_bytes(self):
+        return 12 * self.num_params  # float32 weights and AdamW's two moments
+
+    @property
+    def peak_bytes(self):
+        return self.states_bytes + self.saved_bytes + self.logits_bytes
+
+
+def _op_name(node):
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _origin(node):
+    """The op that made a saved tensor's data, looking through views and splits; a cast says what it cast."""
+    while node.op == "call_function" and (_op_name(node) in PASS_THROUGH | SPLITS or _op_name(node) == "getitem"
+                                          and _op_name(node.args[0]) in SPLITS):
+        node = node.args[0]
+    if node.op == "placeholder":
+        return "a parameter"
+    if node.op != "call_function":
+        return node.op
+    name = _op_name(node)
+    if name == "getitem":
+        source, index = node.args
+        return f"{_op_name(source)}[{index}]"
+    if name == "convert_element_type":
+        return f"cast of {_origin(node.args[0])}"
+    return name
+
+
+def _module(node):
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "-"
+    path, _ = list(stack.values())[-1]
+    path = path.replace("L['model']", "model").replace("L['self']", "model")
+    parts = path.split(".")[1:]
+    if len(parts) > 1 and parts[0] == "trf_blocks" and parts[1].isdigit():
+        parts[1] = "*"  # every transformer block together
+    return ".".join(parts) or "model"
+
+
+def saved_tensors(forward_graph):
+    """The forward graph's outputs beyond the loss that are not graph inputs (parameters, the batch)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    output = next(node for node in forward_graph.graph.nodes if node.op == "output")
+    results, counted = [], set()
+    for node in output.args[0][1:]:  # the first output is the loss
+        value = getattr(node, "meta", {}).get("val")
+        if node is None or node.op == "placeholder" or not isinstance(value, torch.Tensor):
+            continue
+        storage = StorageWeakRef(value.untyped_storage())  # views of one tensor (Q, K and V) count once
+        nbytes = 0 if storage in counted else value.untyped_storage().nbytes()
+        counted.add(storage)
+        results.append(Saved(module=_module(node), made_by=_origin(node), dtype=value.dtype,
+                             shape=tuple(value.shape), nbytes=nbytes))
+    return results
+
+
+def _count_matmuls(graph_module):
+    return sum(1 for node in graph_module.graph.nodes
+               if node.op == "call_function" and _op_name(node) in ("mm", "addmm", "bmm"))
+
+
+def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_config=None):
+    """Compile one training step of `rung` on fake tensors and return what it saves (StepMemory).
+
+    `tiny_config` replaces the model's config entries given (for tests: fewer layers, a shorter context).
+    """
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if rung not in COMPILED_RUNGS:
+        raise ValueError(f"rung {rung} is not compiled; the compiled rungs are {COMPILED_RUNGS}")
+    graphs = {}
+
+    def keep_graph(graph_module, example_inputs, **kwargs):  # where Inductor would generate the kernels
+        graphs["backward" if kwargs.get("is_backward") else "forward"] = graph_module
+        return make_boxed_func(graph_module.forward)
+
+    def backend(graph_module, example_inputs):
+        return compile_fx(graph_module, example_inputs, inner_compile=keep_graph)
+
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        modelled = compose_for_gpu(rung, torch.device("cpu"), has_tf32=True, autocast_precision="bf16",
+                                   model=model, batch_size=batch_size)
+        net, cfg = modelled.model, dict(modelled.cfg)
+        if tiny_config:
+            cfg.update(tiny_config)
+            with torch.device("cpu"):
+                net = type(net)(cfg)
+            net.train()
+        batch = modelled.settings["batch_size"]
+        inputs = torch.zeros(batch, cfg["context_length"], dtype=torch.long)
+        targets = torch.zeros(batch, cfg["context_length"], dtype=torch.long)
+    forward_and_loss = type(net).forward.__globals__["forward_and_loss"]  # 01's lines: the module the model came from
+    torch._dynamo.reset()
+    step = torch.compile(forward_and_loss, backend=backend, fullgraph=True)
+    with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
+            mock.patch("torch.nn.functional.scaled_dot_product_attention", flash_attention), fake_mode, \
+            torch.autocast("cpu", dtype=modelled.autocast_dtype):
+        loss = step(net, inputs, targets)
+    with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), fake_mode:
+        loss.backward()
+    torch._dynamo.reset()
+    logits_element = torch.tensor([], dtype=modelled.autocast_dtype).element_size()
+    return StepMemory(rung=rung, model=model, batch_size=batch, context_length=cfg["context_length"],
+                      vocab_size=cfg["vocab_size"], budget=budget, num_params=sum(p.numel() for p in net.parameters()),
+                      saved=saved_tensors(graphs["forward"]), backward_matmuls=_count_matmuls(graphs["backward"]),
+                      logits_bytes=batch * cfg["context_length"] * cfg["vocab_size"] * logits_element)
+
+
+def grouped(saved):
+    """Rows of the table: saved tensors of the same module, op, dtype and shape together, largest total first."""
+    groups = defaultdict(list)
+    for item in saved:
+        groups[(item.module, item.made_by, item.dtype, item.shape)].append(item)
+    rows = [(module, made_by, dtype, shape, len(items), sum(item.nbytes for item in items))
+            for (module, made_by, dtype, shape), items in groups.items()]
+    return sorted(rows, key=lambda row: -row[5])
+
+
+def _gb(nbytes):
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+def report(memory, smallest_row_bytes=1e6):
+    dtype_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.bool: "bool",
+                   torch.int64: "int64", torch.uint64: "uint64"}
+    lines = [f"Rung {memory.rung}'s compiled training step, {memory.model}, batch {memory.batch_size} x "
+             f"{memory.context_length}, vocabulary {memory.vocab_size:,}, bf16 autocast, "
+             f"activation_memory_budget {memory.budget:g}" + (" (PyTorch's default)" if memory.budget == 1.0 else ""),
+             "", "Saved by the forward for the backward (per tensor, and all of them):", ""]
+    header = ("what it is", "where in the model", "made by", "dtype", "shape", "count", "total")
+    rows = [(describe(module, made_by), module, made_by, dtype_names.get(dtype, str(dtype)), "x".join(map(str, shape)) or "scalar", str(count),
+             _gb(total)) for module, made_by, dtype, shape, count, total in grouped(memory.saved)
+            if total >= smallest_row_bytes]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, tuple("-" * width for width in widths), *rows]:
+        lines.append("  ".join(cell.ljust(width) if i < 5 else cell.rjust(width)
+                               for i, (cell, width) in enumerate(zip(row, widths))))
+    small = [row for row in grouped(memory.saved) if row[5] < smallest_row_bytes]
+    if small:
+        lines.append(f"(and {sum(row[4] for row in small)} small tensors, {_gb(sum(row[5] for row in small))} in all)")
+    lines += ["",
+              f"Saved in all: {_gb(memory.saved_bytes)} "
+              f"({memory.saved_bytes / (memory.batch_size * memory.context_length):,.0f} bytes per token); "
+              f"the backward graph runs {memory.backward_matmuls} matmuls",
+              f"Model of the peak, at the start of the backward: {_gb(memory.peak_bytes)} = weights and AdamW "
+              f"moments {_gb(memory.states_bytes)} (12 bytes x {memory.num_params:,} parameters) + saved "
+              f"{_gb(memory.saved_bytes)} + the logits' gradient {_gb(memory.logits_bytes)}",
+              "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--rung", type=int, choices=COMPILED_RUNGS, default=10,
+                        help="a compiled rung of the ladder (10: 01_opt_single_gpu.py as it is; default 10)")
+    parser.add_argument("--model", choices=MODELS, default="gpt2-small", help="the model size (default gpt2-small)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the rung's)")
+    parser.add_argument("--budget", type=float, default=1.0,
+                        help="torch._functorch.config.activation_memory_budget, 0 to 1 (default 1.0, PyTorch's)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.budget <= 1.0:
+        parser.error(f"--budget must lie between 0 and 1, not {args.budget}")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1, not {args.batch_size}")
+    print(report(trace_step(args.rung, args.model, args.batch_size, args.budget)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
