@@ -236,11 +236,11 @@ def grouped(saved):
     return sorted(rows, key=lambda row: -row[5])
 
 
-def _gb(nbytes):
-    return f"{nbytes / 1e9:.2f} GB"
+def _gib(nbytes):
+    return f"{nbytes / 2**30:.2f} GiB"  # the unit of the stages' memory lines and of the allocator
 
 
-def report(memory, smallest_row_bytes=1e6):
+def report(memory, smallest_row_bytes=2**20):
     dtype_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.bool: "bool",
                    torch.int64: "int64", torch.uint64: "uint64"}
     lines = [f"Rung {memory.rung}'s compiled training step, {memory.model}, batch {memory.batch_size} x "
@@ -249,7 +249,7 @@ def report(memory, smallest_row_bytes=1e6):
              "", "Saved by the forward for the backward (per tensor, and all of them):", ""]
     header = ("what it is", "where in the model", "made by", "dtype", "shape", "count", "total")
     rows = [(describe(module, made_by), module, made_by, dtype_names.get(dtype, str(dtype)), "x".join(map(str, shape)) or "scalar", str(count),
-             _gb(total)) for module, made_by, dtype, shape, count, total in grouped(memory.saved)
+             _gib(total)) for module, made_by, dtype, shape, count, total in grouped(memory.saved)
             if total >= smallest_row_bytes]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, tuple("-" * width for width in widths), *rows]:
@@ -257,14 +257,14 @@ def report(memory, smallest_row_bytes=1e6):
                                for i, (cell, width) in enumerate(zip(row, widths))))
     small = [row for row in grouped(memory.saved) if row[5] < smallest_row_bytes]
     if small:
-        lines.append(f"(and {sum(row[4] for row in small)} small tensors, {_gb(sum(row[5] for row in small))} in all)")
+        lines.append(f"(and {sum(row[4] for row in small)} small tensors, {_gib(sum(row[5] for row in small))} in all)")
     lines += ["",
-              f"Saved in all: {_gb(memory.saved_bytes)} "
+              f"Saved in all: {_gib(memory.saved_bytes)} "
               f"({memory.saved_bytes / (memory.batch_size * memory.context_length):,.0f} bytes per token); "
               f"the backward graph runs {memory.backward_matmuls} matmuls",
-              f"Model of the peak, at the start of the backward: {_gb(memory.peak_bytes)} = weights and AdamW "
-              f"moments {_gb(memory.states_bytes)} (12 bytes x {memory.num_params:,} parameters) + saved "
-              f"{_gb(memory.saved_bytes)} + the logits' gradient {_gb(memory.logits_bytes)}",
+              f"Model of the peak, at the start of the backward: {_gib(memory.peak_bytes)} = weights and AdamW "
+              f"moments {_gib(memory.states_bytes)} (12 bytes x {memory.num_params:,} parameters) + saved "
+              f"{_gib(memory.saved_bytes)} + the logits' gradient {_gib(memory.logits_bytes)}",
               "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
     return "\n".join(lines)
 
