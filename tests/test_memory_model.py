@@ -63,7 +63,7 @@ def test_the_peak_model_adds_states_saved_and_the_logits_gradient(default_budget
     assert memory.peak_bytes == 12 * memory.num_params + sum(item.nbytes for item in memory.saved) + \
         memory.logits_bytes
     text = memory_model.report(memory)
-    assert f"Saved in all: {memory.saved_bytes / 1e9:.2f} GB" in text
+    assert f"Saved in all: {memory.saved_bytes / 2**30:.2f} GiB" in text
     assert "the logits, for the loss's backward" in text and "activation_memory_budget 1 (PyTorch's default)" in text
 
 
