@@ -274,8 +274,8 @@ def build_parser():
     parser.add_argument("--rung", type=int, choices=COMPILED_RUNGS, default=10,
                         help="a compiled rung of the ladder (10: 01_opt_single_gpu.py as it is; default 10)")
     parser.add_argument("--model", choices=MODELS, default="gpt2-small", help="the model size (default gpt2-small)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the rung's)")
-    parser.add_argument("--budget", type=float, default=1.0,
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="sequences per step (default: the rung's)")
+    parser.add_argument("--budget", type=float, default=1.0, metavar="FRACTION",
                         help="torch._functorch.config.activation_memory_budget, 0 to 1 (default 1.0, PyTorch's)")
     return parser
 
