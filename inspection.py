@@ -156,7 +156,6 @@ def export_trace(prof, path):
         raise OSError(errno.EIO, "the profiler's trace writer stopped part-way (incomplete trace)") from None
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Where a profiled step's GPU time goes, by class of work (also bench/step_time.py)
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +228,8 @@ def _covered(intervals):
 
 
 def gpu_time_line(per_step, steps):
-    """One line: "GPU time per step of steps 6-8: 43.1 ms = matmuls 25.1 ms (58%) + ..." (classes that ran)."""
+    """One line: "GPU time per step of steps 6-8 (kernels by name): 43.1 ms = matmuls 25.1 ms (58%) + ..." (classes
+    that ran, and idle)."""
     if per_step is None:
         return f"GPU time per step of steps {steps}: the trace holds no GPU kernels"
     step = per_step["step"]

@@ -145,8 +145,7 @@ def _module(node):
     if not stack:
         return "-"
     path, _ = list(stack.values())[-1]
-    path = path.replace("L['model']", "model").replace("L['self']", "model")
-    parts = path.split(".")[1:]
+    parts = path.split(".")[1:]  # without Dynamo's name for the argument, L['model']
     if len(parts) > 1 and parts[0] == "trf_blocks" and parts[1].isdigit():
         parts[1] = "*"  # every transformer block together
     return ".".join(parts) or "model"
@@ -212,18 +211,16 @@ def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_co
     forward_and_loss = type(net).forward.__globals__["forward_and_loss"]  # 01's lines: the module the model came from
     torch._dynamo.reset()
     step = torch.compile(forward_and_loss, backend=backend, fullgraph=True)
-    with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
-            mock.patch("torch.nn.functional.scaled_dot_product_attention", flash_attention), fake_mode, \
-            torch.autocast("cpu", dtype=modelled.autocast_dtype):
-        loss = step(net, inputs, targets)
     with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), fake_mode:
-        loss.backward()
+        with mock.patch("torch.nn.functional.scaled_dot_product_attention", flash_attention), \
+                torch.autocast("cpu", dtype=modelled.autocast_dtype):
+            loss = step(net, inputs, targets)
+        loss.backward()  # the backward graph compiles here, under the same budget
     torch._dynamo.reset()
-    logits_element = torch.tensor([], dtype=modelled.autocast_dtype).element_size()
     return StepMemory(rung=rung, model=model, batch_size=batch, context_length=cfg["context_length"],
                       vocab_size=cfg["vocab_size"], budget=budget, num_params=sum(p.numel() for p in net.parameters()),
                       saved=saved_tensors(graphs["forward"]), backward_matmuls=_count_matmuls(graphs["backward"]),
-                      logits_bytes=batch * cfg["context_length"] * cfg["vocab_size"] * logits_element)
+                      logits_bytes=batch * cfg["context_length"] * cfg["vocab_size"] * modelled.autocast_dtype.itemsize)
 
 
 def grouped(saved):
@@ -248,14 +245,15 @@ def report(memory, smallest_row_bytes=2**20):
              f"activation_memory_budget {memory.budget:g}" + (" (PyTorch's default)" if memory.budget == 1.0 else ""),
              "", "Saved by the forward for the backward (per tensor, and all of them):", ""]
     header = ("what it is", "where in the model", "made by", "dtype", "shape", "count", "total")
+    groups = grouped(memory.saved)
     rows = [(describe(module, made_by), module, made_by, dtype_names.get(dtype, str(dtype)), "x".join(map(str, shape)) or "scalar", str(count),
-             _gib(total)) for module, made_by, dtype, shape, count, total in grouped(memory.saved)
+             _gib(total)) for module, made_by, dtype, shape, count, total in groups
             if total >= smallest_row_bytes]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, tuple("-" * width for width in widths), *rows]:
         lines.append("  ".join(cell.ljust(width) if i < 5 else cell.rjust(width)
                                for i, (cell, width) in enumerate(zip(row, widths))))
-    small = [row for row in grouped(memory.saved) if row[5] < smallest_row_bytes]
+    small = [row for row in groups if row[5] < smallest_row_bytes]
     if small:
         lines.append(f"(and {sum(row[4] for row in small)} small tensors, {_gib(sum(row[5] for row in small))} in all)")
     lines += ["",
