@@ -71,6 +71,13 @@ KNOWN = [
     ("drop_shortcut", "gt", "dropout masks, 1 byte per element"),
     ("drop_emb", "gt", "dropout mask, 1 byte per element"),
     ("tok_emb", "embedding", "the token embeddings"),
+    ("pos_emb", "embedding", "the position embeddings"),
+    ("att.out_proj", "addmm", "attention's projection, before dropout"),
+    ("ff.layers.2", "addmm", "the MLP's output, before dropout"),
+    ("norm1", "var_mean[1]", "the norm's mean per token"),
+    ("norm2", "var_mean[1]", "the norm's mean per token"),
+    ("norm1", "rsqrt", "the norm's 1 / std per token"),
+    ("norm2", "rsqrt", "the norm's 1 / std per token"),
     ("-", "cast of a parameter", "a weight's bf16 copy, for the matmuls' backward"),
 ]
 
