@@ -247,7 +247,7 @@ def run_rung_main(args):
         heartbeat.doing = "composing the rung from the stage scripts"
         rungs.apply_options(args.option)  # --option: measured options, switched on before anything compiles
         rung = rungs.compose(number, device, args.tiny, seed=args.seed, model=args.model,
-                             batch_size=args.batch_size)
+                             batch_size=args.batch_size, options=args.option)
         parameters = sum(p.numel() for p in rung.model.parameters())
         result.update(precision=rung.precision, batch_size=rung.batch_size, vocab_size=rung.cfg["vocab_size"],
                       context_length=rung.cfg["context_length"], parameters=parameters, world_size=1,

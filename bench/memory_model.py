@@ -21,16 +21,20 @@ tests/test_memory_model.py), and the dropout masks come from Inductor's own rand
 The peak it reports is a model, not a measurement: at the start of the backward the GPU holds the float32 weights,
 AdamW's two moments (12 bytes per parameter; the gradients were freed by zero_grad and are rebuilt during the
 backward), everything saved, and the loss's gradient with respect to the logits, as large as the logits, which the
-fused loss backward writes while the saved logits are still alive. The caching allocator reserves somewhat more than
-that (it rounds blocks and keeps freed ones). What the GPU reports, `Reserved memory` in a stage's log and
+fused loss backward writes while the saved logits are still alive. With the head and the loss in chunks
+(--chunked-loss, bench/chunked_loss.py) no logits are saved, and the peak comes at the end of the forward instead:
+everything saved, plus the last chunk's logits and their gradient. The caching allocator reserves somewhat more
+than that (it rounds blocks and keeps freed ones). What the GPU reports, `Reserved memory` in a stage's log and
 `peak_reserved_gb` in the ladder, is the measurement.
 
     python bench/memory_model.py                    # rung 10: 01 at batch 32
     python bench/memory_model.py --budget 0.8       # what the ladder's --option memory-budget sets
+    python bench/memory_model.py --chunked-loss     # what the ladder's --option chunked-loss changes
     python bench/memory_model.py --rung 8 --model gpt2-medium --batch-size 4
 """
 
 import argparse
+import functools
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -43,6 +47,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import chunked_loss  # noqa: E402
 from bench.rungs import compose_for_gpu  # noqa: E402
 from bench.step_model import flash_attention  # noqa: E402
 
@@ -79,12 +84,16 @@ KNOWN = [
     ("norm1", "rsqrt", "the norm's 1 / std per token"),
     ("norm2", "rsqrt", "the norm's 1 / std per token"),
     ("-", "cast of a parameter", "a weight's bf16 copy, for the matmuls' backward"),
+    ("-", "mm", "the head input's gradient, made in the forward (chunked loss)"),
+    ("-", "div", "the head weight's gradient, made in the forward (chunked loss)", 2),  # 2-d: not a norm's division
 ]
 
 
-def describe(module, made_by):
-    """Words for a saved tensor of these models, or an empty string."""
-    return next((words for end, op, words in KNOWN if module.endswith(end) and made_by == op), "")
+def describe(module, made_by, shape=()):
+    """Words for a saved tensor of these models, or an empty string. An entry with a fourth item matches tensors
+    of that many dimensions only."""
+    return next((entry[2] for entry in KNOWN if module.endswith(entry[0]) and made_by == entry[1]
+                 and (len(entry) < 4 or len(shape) == entry[3])), "")
 
 
 @dataclass
@@ -108,7 +117,8 @@ class StepMemory:
     num_params: int
     saved: list             # Saved, in the forward graph's order
     backward_matmuls: int   # mm, addmm and bmm calls in the backward graph: recomputed matmuls add to them
-    logits_bytes: int       # the logits' gradient, as large as the logits in the autocast dtype
+    logits_bytes: int       # the logits (and their gradient): tokens x vocabulary in the autocast dtype
+    chunk_tokens: int = None  # the head and the loss in chunks of this many tokens (bench/chunked_loss.py)
 
     @property
     def saved_bytes(self):
@@ -119,8 +129,18 @@ class StepMemory:
         return 12 * self.num_params  # float32 weights and AdamW's two moments
 
     @property
+    def head_bytes(self):
+        """What the head and the loss hold at the peak beyond what is saved. All at once: the logits' gradient,
+        written by the loss's backward while the saved logits are alive. In chunks: the last chunk's logits and
+        their gradient, made at the end of the forward, when everything else is saved already."""
+        if not self.chunk_tokens:
+            return self.logits_bytes
+        tokens = self.batch_size * self.context_length
+        return 2 * self.logits_bytes * min(self.chunk_tokens, tokens) // tokens
+
+    @property
     def peak_bytes(self):
-        return self.states_bytes + self.saved_bytes + self.logits_bytes
+        return self.states_bytes + self.saved_bytes + self.head_bytes
 
 
 def _op_name(node):
@@ -181,10 +201,11 @@ def _count_matmuls(graph_module):
                if node.op == "call_function" and _op_name(node) in ("mm", "addmm", "bmm"))
 
 
-def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_config=None):
+def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_config=None, chunk_tokens=None):
     """Compile one training step of `rung` on fake tensors and return what it saves (StepMemory).
 
-    `tiny_config` replaces the model's config entries given (for tests: fewer layers, a shorter context).
+    `tiny_config` replaces the model's config entries given (for tests: fewer layers, a shorter context);
+    `chunk_tokens` takes the head and the loss in chunks of that many tokens (bench/chunked_loss.py).
     """
     from torch._functorch import config as functorch_config
     from torch._functorch.aot_autograd import make_boxed_func
@@ -216,6 +237,8 @@ def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_co
         inputs = torch.zeros(batch, cfg["context_length"], dtype=torch.long)
         targets = torch.zeros(batch, cfg["context_length"], dtype=torch.long)
     forward_and_loss = type(net).forward.__globals__["forward_and_loss"]  # 01's lines: the module the model came from
+    if chunk_tokens:  # the ladder's --option chunked-loss
+        forward_and_loss = functools.partial(chunked_loss.forward_and_loss, chunk_tokens=chunk_tokens)
     torch._dynamo.reset()
     step = torch.compile(forward_and_loss, backend=backend, fullgraph=True)
     with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), fake_mode:
@@ -227,7 +250,8 @@ def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_co
     return StepMemory(rung=rung, model=model, batch_size=batch, context_length=cfg["context_length"],
                       vocab_size=cfg["vocab_size"], budget=budget, num_params=sum(p.numel() for p in net.parameters()),
                       saved=saved_tensors(graphs["forward"]), backward_matmuls=_count_matmuls(graphs["backward"]),
-                      logits_bytes=batch * cfg["context_length"] * cfg["vocab_size"] * modelled.autocast_dtype.itemsize)
+                      logits_bytes=batch * cfg["context_length"] * cfg["vocab_size"] * modelled.autocast_dtype.itemsize,
+                      chunk_tokens=chunk_tokens)
 
 
 def grouped(saved):
@@ -249,11 +273,12 @@ def report(memory, smallest_row_bytes=2**20):
                    torch.int64: "int64", torch.uint64: "uint64"}
     lines = [f"Rung {memory.rung}'s compiled training step, {memory.model}, batch {memory.batch_size} x "
              f"{memory.context_length}, vocabulary {memory.vocab_size:,}, bf16 autocast, "
-             f"activation_memory_budget {memory.budget:g}" + (" (PyTorch's default)" if memory.budget == 1.0 else ""),
+             f"activation_memory_budget {memory.budget:g}" + (" (PyTorch's default)" if memory.budget == 1.0 else "")
+             + (f", head and loss in chunks of {memory.chunk_tokens:,} tokens" if memory.chunk_tokens else ""),
              "", "Saved by the forward for the backward (per tensor, and all of them):", ""]
     header = ("what it is", "where in the model", "made by", "dtype", "shape", "count", "total")
     groups = grouped(memory.saved)
-    rows = [(describe(module, made_by), module, made_by, dtype_names.get(dtype, str(dtype)), "x".join(map(str, shape)) or "scalar", str(count),
+    rows = [(describe(module, made_by, shape), module, made_by, dtype_names.get(dtype, str(dtype)), "x".join(map(str, shape)) or "scalar", str(count),
              _gib(total)) for module, made_by, dtype, shape, count, total in groups
             if total >= smallest_row_bytes]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -267,9 +292,12 @@ def report(memory, smallest_row_bytes=2**20):
               f"Saved in all: {_gib(memory.saved_bytes)} "
               f"({memory.saved_bytes / (memory.batch_size * memory.context_length):,.0f} bytes per token); "
               f"the backward graph runs {memory.backward_matmuls} matmuls",
-              f"Model of the peak, at the start of the backward: {_gib(memory.peak_bytes)} = weights and AdamW "
+              f"Model of the peak, at the {'last chunk of the head' if memory.chunk_tokens else 'start of the backward'}"
+              f": {_gib(memory.peak_bytes)} = weights and AdamW "
               f"moments {_gib(memory.states_bytes)} (12 bytes x {memory.num_params:,} parameters) + saved "
-              f"{_gib(memory.saved_bytes)} + the logits' gradient {_gib(memory.logits_bytes)}",
+              f"{_gib(memory.saved_bytes)} + " + (f"a chunk's logits and their gradient {_gib(memory.head_bytes)}"
+                                                 if memory.chunk_tokens else
+                                                 f"the logits' gradient {_gib(memory.head_bytes)}"),
               "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
     return "\n".join(lines)
 
@@ -282,6 +310,9 @@ def build_parser():
     parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="sequences per step (default: the rung's)")
     parser.add_argument("--budget", type=float, default=1.0, metavar="FRACTION",
                         help="torch._functorch.config.activation_memory_budget, 0 to 1 (default 1.0, PyTorch's)")
+    parser.add_argument("--chunked-loss", action="store_true",
+                        help=f"the head and the loss in chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient "
+                             "made in the forward (bench/chunked_loss.py; the ladder's --option chunked-loss)")
     return parser
 
 
@@ -292,7 +323,8 @@ def main(argv=None):
         parser.error(f"--budget must lie between 0 and 1, not {args.budget}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, not {args.batch_size}")
-    print(report(trace_step(args.rung, args.model, args.batch_size, args.budget)))
+    chunk_tokens = chunked_loss.CHUNK_TOKENS if args.chunked_loss else None
+    print(report(trace_step(args.rung, args.model, args.batch_size, args.budget, chunk_tokens=chunk_tokens)))
     return 0
 
 

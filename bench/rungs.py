@@ -19,6 +19,7 @@ and 03 under torchrun.
 import importlib.util
 import itertools
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 import torch.nn as nn
 
 import common
+from bench import chunked_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_00 = "00_orig.py"
@@ -51,9 +53,10 @@ CHANGES = {
     11: "DDP on every GPU: 02_opt_multi_gpu_ddp.py",
     12: "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py",
 }
-# Measured options: a change tried on top of the composed rungs (0-10) before it earns a place in 01, each one
-# a setting of PyTorch that a reader could add to 01 in a line. The ladder measures a rung with and without one
-# (--option NAME, into a results folder of its own) and the change is kept only if the numbers show it.
+# Measured options: a change tried on top of the composed rungs (0-10) before it earns a place in 01: a setting of
+# PyTorch that a reader could add to 01 in a line, or (chunked-loss) a function that would replace one of 01's. The
+# ladder measures a rung with and without one (--option NAME, into a results folder of its own) and the change is
+# kept only if the numbers show it.
 MEMORY_BUDGET = 0.8  # any value from 0.7 to 0.95 gives gpt2-small the same partition: no matmul recomputed
 OPTIONS = {
     "max-autotune": "torch._inductor.config.max_autotune = True: Inductor benchmarks Triton templates against "
@@ -65,6 +68,9 @@ OPTIONS = {
     "memory-budget": f"torch._functorch.config.activation_memory_budget = {MEMORY_BUDGET}: the compiled step saves "
                      "less for its backward and recomputes the norms, GELU and the residual stream there "
                      "(bench/memory_model.py shows what it saves)",
+    "chunked-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's: the output head and the loss in "
+                    f"chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient made in the forward, so the "
+                    "logits are never kept whole (rungs 4-10, whose loss is 01's)",
 }
 SINGLE_PROCESS_RUNGS = range(0, 11)
 MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
@@ -74,8 +80,12 @@ _load_counter = itertools.count()
 
 
 def apply_options(names):
-    """Switch on the measured options `names` (keys of OPTIONS) for this process; before the rung is composed."""
+    """Switch on the measured options `names` (keys of OPTIONS) for this process; before the rung is composed.
+
+    chunked-loss changes the rung's code, not a setting: compose() takes it (its `options`)."""
     for name in names:
+        if name == "chunked-loss":
+            continue
         if name == "max-autotune":
             import torch._inductor.config as inductor_config
             inductor_config.max_autotune = True
@@ -97,7 +107,9 @@ def apply_options(names):
 def load_stage(filename):
     """A fresh module object for a stage script (its name starts with a digit, so no plain import).
 
-    Every call executes the file again, so patching one copy's globals never leaks into another rung.
+    Every call executes the file again, so patching one copy's globals never leaks into another rung. Each copy is
+    registered in sys.modules under its own name, as an import would do: torch.compile (2.11) looks a module up
+    there when a compiled function of another module calls into this one (bench/chunked_loss.py into the model).
     """
     path = ROOT / filename
     if not path.exists():
@@ -105,6 +117,7 @@ def load_stage(filename):
     name = f"ladder_{path.stem}_{next(_load_counter)}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -235,11 +248,12 @@ def batch_size_note(batch_size, stage_batch_size):
     return f"batch {batch_size} set by --batch-size (the stage's own: {stage_batch_size})"
 
 
-def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None):
+def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None, options=()):
     """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01.
 
     `model` is one of common.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
-    replaces every rung's batch (--batch-size of bench/ladder.py)."""
+    replaces every rung's batch (--batch-size of bench/ladder.py); `options` are the ladder's --option names, of
+    which compose acts on chunked-loss (apply_options switches on the others)."""
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
@@ -295,6 +309,11 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None)
     # then autocast around forward and loss, compiled. This rung's copy of 01 leaves out the
     # steps it has not reached: no autocast before step 5, the eager forward and loss before step 8.
     data_stage = stage01 if number >= 4 else stage00
+    if "chunked-loss" in options:  # --option chunked-loss: before training_loss is pointed at forward_and_loss below
+        if number >= 4:
+            stage01.forward_and_loss = chunked_loss.forward_and_loss
+        else:
+            notes.append("no effect here: chunked-loss replaces 01's forward_and_loss, and this rung's loss is 00's")
     if number < 5:
         stage01.common = _CommonWithoutAutocast()
     if number < 8:

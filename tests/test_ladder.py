@@ -388,7 +388,29 @@ def test_options_switch_on_what_they_name_and_nothing_else():
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
-    assert sorted(rungs.OPTIONS) == ["coordinate-descent", "cudnn-attention", "max-autotune", "memory-budget"]
+    assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cudnn-attention", "max-autotune",
+                                     "memory-budget"]
+
+
+def test_the_chunked_loss_option_replaces_01s_loss_from_rung_4_and_trains_the_same():
+    """compose() swaps bench/chunked_loss.py's forward_and_loss in where the rung's loss is 01's: one training step
+    then gives the same loss and the same gradients as the rung without the option (float32 on the CPU)."""
+    from bench import chunked_loss
+
+    rungs.apply_options(["chunked-loss"])  # no setting of PyTorch to switch: compose does it
+    inputs = torch.randint(0, 50257, (4, 64), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for options in ((), ("chunked-loss",)):
+        rung = rungs.compose(6, CPU, tiny=True, seed=5, options=options)
+        rung.model.eval()  # no dropout: both runs see the same network
+        assert (rung.data_stage.forward_and_loss is chunked_loss.forward_and_loss) == bool(options)
+        loss = rung.train_step(inputs, inputs.roll(-1, dims=1)).item()
+        results[options] = loss, [p.grad for p in rung.model.parameters()]  # the step's, kept until the next one
+    (plain_loss, plain), (chunked_loss_value, chunked) = results.values()
+    assert chunked_loss_value == pytest.approx(plain_loss, rel=1e-6)
+    assert max(((ours - theirs).norm() / theirs.norm()).item() for ours, theirs in zip(chunked, plain)) < 1e-5
+    before_01 = rungs.compose(3, CPU, tiny=True, options=("chunked-loss",))
+    assert any(note.startswith("no effect here: chunked-loss") for note in before_01.notes)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -415,13 +437,16 @@ def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
     assert folder.name == "nvidia-h100-80gb-hbm3-coordinate-descent-max-autotune-tiny"
     out = tmp_path / "out"
     done = run_script("bench/ladder.py", "--tiny", "--rungs", "6", "--warmup", "1", "--steps", "2", "--data",
-                      small_text, "--option", "coordinate-descent", "--out", out, timeout=300)
+                      small_text, "--option", "coordinate-descent", "--option", "chunked-loss", "--out", out,
+                      timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     measured = json.loads((out / "ladder.json").read_text())
-    assert measured["settings"]["options"] == "coordinate-descent"
+    assert measured["settings"]["options"] == "chunked-loss,coordinate-descent"
     assert any(note.startswith("option coordinate-descent: torch._inductor.config.coordinate_descent_tuning")
                for note in measured["rungs"][0]["notes"]), measured["rungs"][0]
-    assert "with --option coordinate-descent on every rung" in (out / "ladder.md").read_text()
+    assert any(note.startswith("option chunked-loss: 01's forward_and_loss replaced") for note in
+               measured["rungs"][0]["notes"])
+    assert "with --option chunked-loss,coordinate-descent on every rung" in (out / "ladder.md").read_text()
 
 
 def test_ratios_name_the_rung_they_compare_with():

@@ -85,6 +85,24 @@ def test_the_ladders_memory_budget_saves_a_third_less_without_recomputing_a_matm
     assert not normalized(option_budget) and not gelu_output(option_budget)
 
 
+def test_the_chunked_loss_keeps_no_logits_and_moves_the_heads_backward_into_the_forward(default_budget):
+    """--option chunked-loss: nothing of tokens x vocabulary is saved; the forward keeps the head's two gradients
+    instead, and the backward graph loses the head's two matmuls (the forward runs them: no FLOP is added)."""
+    chunk, tokens = 1024, BATCH * CONTEXT  # 8 chunks; not the vocabulary, so no shape stands for two things
+    memory = memory_model.trace_step(10, batch_size=BATCH, tiny_config=SMALL, chunk_tokens=chunk)
+    assert not [item for item in memory.saved if VOCAB in item.shape and tokens in item.shape]
+    assert memory.backward_matmuls == default_budget.backward_matmuls - 2
+    weight_gradient = [item for item in memory.saved if item.shape == (VOCAB, 768) and item.nbytes]
+    assert [(item.dtype, item.made_by) for item in weight_gradient] == [(torch.float32, "div")]
+    assert sum(item.nbytes for item in memory.saved if item.made_by == "mm" and item.module == "-") == tokens * 768 * 2
+    assert memory.head_bytes == 2 * chunk * VOCAB * 2  # the last chunk's logits and their gradient, bf16
+    assert memory.peak_bytes == memory.states_bytes + memory.saved_bytes + memory.head_bytes
+    assert memory.peak_bytes < default_budget.peak_bytes - default_budget.logits_bytes
+    text = memory_model.report(memory)
+    assert "head and loss in chunks of 1,024 tokens" in text and "a chunk's logits and their gradient" in text
+    assert "the head weight's gradient, made in the forward (chunked loss)" in text
+
+
 def test_cpu_autocast_gives_the_dtypes_cuda_autocast_gives_for_rung_10():
     """The script traces under CPU autocast; CUDA's must pick the same dtype for every op of 01's model (SDPA and
     dropout as CUDA runs them on both sides)."""

@@ -1,0 +1,82 @@
+"""The output head and the loss in chunks of tokens, with their gradient made in the forward: no logits kept.
+
+The largest tensor of a training step is the logits, batch x tokens x vocabulary (3 GiB in bf16 for 01 at batch
+32): the forward keeps them for the loss's backward, and the backward writes their gradient, as large again, while
+they are still alive (bench/memory_model.py counts both). Once the loss is known, its gradient with respect to the
+logits is known too: softmax(logits) - one_hot(target), divided by the number of tokens. So the forward can finish
+the head's backward itself, a chunk of tokens at a time, and keep only what the backward needs from it: the
+gradient of the head's input (tokens x width) and of its weight (vocabulary x width). A chunk's logits are gone
+before the next chunk's are made.
+
+The matmuls are the same three as before (logits, and the two gradient matmuls), so no FLOP is added; the loss's
+reductions read each chunk once more than a fused kernel over the whole logits would. The same idea is llm.c's
+fused classifier and Liger Kernel's fused linear cross-entropy. `--option chunked-loss` of bench/ladder.py
+measures it on the composed rungs (4 to 10: the rungs whose loss is 01's forward_and_loss).
+"""
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_TOKENS = 8192  # 8,192 x 50,304 logits: 0.77 GiB in bf16, a matmul as large as the GPU needs to be busy
+IGNORE_INDEX = -100  # F.cross_entropy's default: rows the loss skips (01 pads a short evaluation batch with them)
+
+
+def compute_dtype(tensor):
+    """The dtype the head's matmuls run in: autocast's where it is on (step 5), else the tensor's own."""
+    device_type = tensor.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return tensor.dtype
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """cross_entropy(hidden @ weight.T, targets), mean over the targets that are not IGNORE_INDEX.
+
+    hidden: (tokens, width), weight: (vocabulary, width), targets: (tokens,). The forward computes the gradients of
+    hidden and weight as well, chunk by chunk, and saves only them; the backward scales them by the loss's gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens):
+        dtype = compute_dtype(hidden)
+        weight_lowp = weight.to(dtype)  # once, not per chunk
+        counted = (targets != IGNORE_INDEX).sum()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in float32
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            hidden_chunk, target_chunk = hidden[rows].to(dtype), targets[rows]
+            kept = (target_chunk != IGNORE_INDEX).unsqueeze(1)
+            target_or_zero = torch.where(kept, target_chunk.unsqueeze(1), 0)
+            log_probs = (hidden_chunk @ weight_lowp.t()).float().log_softmax(dim=-1)  # the loss in float32
+            loss_sum = loss_sum - torch.where(kept, log_probs.gather(1, target_or_zero), 0.0).sum()
+            # counted x d loss / d logits = softmax - one_hot(target), zero on skipped rows. The division by
+            # counted waits until after the matmuls: in float16 (GPUs before Ampere) p / 32,768 would underflow.
+            grad_logits = log_probs.exp_()  # in place: the log-probabilities are not needed any more
+            grad_logits.scatter_add_(1, target_or_zero, -torch.ones_like(log_probs[:, :1]))
+            grad_logits = torch.where(kept, grad_logits, 0.0).to(dtype)
+            grad_hidden[rows] = grad_logits @ weight_lowp
+            grad_weight += grad_logits.t() @ hidden_chunk
+        ctx.save_for_backward(grad_hidden / counted, grad_weight / counted)
+        return loss_sum / counted
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_loss * grad_hidden, grad_loss * grad_weight, None, None
+
+
+def forward_and_loss(model, input_batch, target_batch, chunk_tokens=CHUNK_TOKENS):
+    """01's forward_and_loss with the head and the loss in chunks: the same loss, the same gradients.
+
+    The lines before the head are 01's GPTModel.forward; only where the gradient is wanted (training) does the head
+    take the chunked path, since evaluation keeps nothing for a backward anyway."""
+    num_tokens = input_batch.shape[1]
+    positions = torch.arange(num_tokens, device=input_batch.device)
+    x = model.drop_emb(model.tok_emb(input_batch) + model.pos_emb(positions))
+    hidden = model.final_norm(model.trf_blocks(x))
+    if not (torch.is_grad_enabled() and model.out_head.weight.requires_grad):
+        logits = model.out_head(hidden)
+        return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
+    return LinearCrossEntropy.apply(hidden.flatten(0, 1), model.out_head.weight, target_batch.flatten(), chunk_tokens)
