@@ -1,13 +1,14 @@
 """Memory and profiling on the GPU: no float32 logits in a compiled step, --memory-snapshot, the --profile table
 and its GPU time by class of work.
 
-Budget on one H100: about 1.5 minutes for this file.
+Budget on one H100: about 2 minutes for this file.
 """
 
 import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import load_stage
@@ -87,6 +88,51 @@ def test_no_compiled_step_allocates_the_float32_logits(report):
             "them outside its compiled kernel (forward_and_loss and the .float() before cross_entropy)")
     # without gradients to keep, evaluation holds little besides the bf16 logits
     assert measured["evaluation"][0] < float32_logits, measured
+
+
+def test_the_chunked_loss_keeps_01s_math_and_drops_its_logits(report):
+    """The ladder's --option chunked-loss (bench/chunked_loss.py) on the GPU: compiled, it gives 01's loss and head
+    gradient, and a training step's peak drops by more than the bf16 logits (saved, and their gradient)."""
+    # budget: ~40 s: two compilations of a two-layer model at full width, vocabulary and context, batch 8
+    from functools import partial
+
+    from bench import chunked_loss, rungs
+
+    device, batch, chunk = torch.device("cuda"), 8, 2048
+    measured = {}
+    for name in ("01", "chunked"):
+        stage = rungs.load_stage(rungs.STAGE_01)  # a copy in sys.modules: torch.compile (2.11) imports it by name
+        if name == "chunked":
+            stage.forward_and_loss = partial(chunked_loss.forward_and_loss, chunk_tokens=chunk)
+        torch.set_float32_matmul_precision("high")  # as stage 01 sets it (step 2)
+        cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2, "drop_rate": 0.0}  # no dropout: the same math in both
+        torch.manual_seed(0)
+        model = stage.GPTModel(cfg).to(device)
+        tokens = torch.randint(0, stage.REAL_VOCAB_SIZE, (batch, cfg["context_length"] + 1),
+                               generator=torch.Generator().manual_seed(0))
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        losses = []
+
+        def training_step():
+            model.zero_grad(set_to_none=True)
+            loss = stage.calc_loss_batch(inputs, targets, model, device)
+            loss.backward()
+            losses.append(loss.item())
+
+        training_step()  # compiles
+        peak, largest = allocations_during(training_step)
+        measured[name] = peak, largest, losses[-1], model.out_head.weight.grad.float().clone()
+        del model
+        torch.cuda.empty_cache()
+    bf16_logits = batch * stage.GPT_CONFIG_124M["context_length"] * stage.GPT_CONFIG_124M["vocab_size"] * 2
+    (peak_01, _, loss_01, grad_01), (peak, largest, loss, grad) = measured["01"], measured["chunked"]
+    head_error = ((grad - grad_01).norm() / grad_01.norm()).item()
+    report(f"chunked loss (chunks of {chunk:,} tokens), batch {batch}, 2 layers: training step peak +{peak / GB:.2f} "
+           f"GiB against 01's +{peak_01 / GB:.2f} GiB (bf16 logits {bf16_logits / GB:.2f} GiB), largest allocation "
+           f"{largest / GB:.2f} GiB; loss {loss:.5f} against {loss_01:.5f}, head gradient off by {head_error:.2%}")
+    assert loss == pytest.approx(loss_01, rel=1e-3) and head_error < 0.02, (loss, loss_01, head_error)
+    assert largest < bf16_logits / 2, "an allocation as large as half the logits: the chunks are not chunks"
+    assert peak < peak_01 - bf16_logits, (peak, peak_01)
 
 
 def test_memory_snapshot_loads_and_its_steps_are_off_the_clock(tmp_path, report):
