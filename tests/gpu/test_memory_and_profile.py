@@ -90,6 +90,30 @@ def test_no_compiled_step_allocates_the_float32_logits(report):
     assert measured["evaluation"][0] < float32_logits, measured
 
 
+def head_training_step(stage, batch):
+    """(peak increase, largest allocation, loss, the head's weight gradient) of a compiled training step of `stage`'s
+    model with two layers and no dropout, measured on the step after the one that compiles."""
+    device = torch.device("cuda")
+    torch.set_float32_matmul_precision("high")  # as stage 01 sets it (step 2)
+    cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2, "drop_rate": 0.0}  # no dropout: the same math in every copy
+    torch.manual_seed(0)
+    model = stage.GPTModel(cfg).to(device)
+    tokens = torch.randint(0, stage.REAL_VOCAB_SIZE, (batch, cfg["context_length"] + 1),
+                           generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    losses = []
+
+    def training_step():
+        model.zero_grad(set_to_none=True)
+        loss = stage.calc_loss_batch(inputs, targets, model, device)
+        loss.backward()
+        losses.append(loss.item())
+
+    training_step()  # compiles
+    peak, largest = allocations_during(training_step)
+    return peak, largest, losses[-1], model.out_head.weight.grad.float().clone()
+
+
 def test_the_chunked_loss_keeps_01s_math_and_drops_its_logits(report):
     """The ladder's --option chunked-loss (bench/chunked_loss.py) on the GPU: compiled, it gives 01's loss and head
     gradient, and a training step's peak drops by more than the bf16 logits (saved, and their gradient)."""
@@ -98,34 +122,16 @@ def test_the_chunked_loss_keeps_01s_math_and_drops_its_logits(report):
 
     from bench import chunked_loss, rungs
 
-    device, batch, chunk = torch.device("cuda"), 8, 2048
-    measured = {}
-    for name in ("01", "chunked"):
-        stage = rungs.load_stage(rungs.STAGE_01)  # a copy in sys.modules: torch.compile (2.11) imports it by name
-        if name == "chunked":
-            stage.forward_and_loss = partial(chunked_loss.forward_and_loss, chunk_tokens=chunk)
-        torch.set_float32_matmul_precision("high")  # as stage 01 sets it (step 2)
-        cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2, "drop_rate": 0.0}  # no dropout: the same math in both
-        torch.manual_seed(0)
-        model = stage.GPTModel(cfg).to(device)
-        tokens = torch.randint(0, stage.REAL_VOCAB_SIZE, (batch, cfg["context_length"] + 1),
-                               generator=torch.Generator().manual_seed(0))
-        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        losses = []
-
-        def training_step():
-            model.zero_grad(set_to_none=True)
-            loss = stage.calc_loss_batch(inputs, targets, model, device)
-            loss.backward()
-            losses.append(loss.item())
-
-        training_step()  # compiles
-        peak, largest = allocations_during(training_step)
-        measured[name] = peak, largest, losses[-1], model.out_head.weight.grad.float().clone()
-        del model
-        torch.cuda.empty_cache()
-    bf16_logits = batch * stage.GPT_CONFIG_124M["context_length"] * stage.GPT_CONFIG_124M["vocab_size"] * 2
-    (peak_01, _, loss_01, grad_01), (peak, largest, loss, grad) = measured["01"], measured["chunked"]
+    batch, chunk = 8, 2048
+    plain = rungs.load_stage(rungs.STAGE_01)  # copies in sys.modules: torch.compile (2.11) imports them by name
+    chunked = rungs.load_stage(rungs.STAGE_01)
+    chunked.forward_and_loss = partial(chunked_loss.forward_and_loss, chunk_tokens=chunk)
+    peak_01, _, loss_01, grad_01 = head_training_step(plain, batch)
+    torch.cuda.empty_cache()
+    peak, largest, loss, grad = head_training_step(chunked, batch)
+    torch.cuda.empty_cache()
+    cfg = plain.GPT_CONFIG_124M
+    bf16_logits = batch * cfg["context_length"] * cfg["vocab_size"] * 2
     head_error = ((grad - grad_01).norm() / grad_01.norm()).item()
     report(f"chunked loss (chunks of {chunk:,} tokens), batch {batch}, 2 layers: training step peak +{peak / GB:.2f} "
            f"GiB against 01's +{peak_01 / GB:.2f} GiB (bf16 logits {bf16_logits / GB:.2f} GiB), largest allocation "
