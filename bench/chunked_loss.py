@@ -39,7 +39,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens):
         dtype = compute_dtype(hidden)
-        weight_lowp = weight.to(dtype)  # once, not per chunk
+        weight_cast = weight.to(dtype)  # once, not per chunk
         counted = (targets != IGNORE_INDEX).sum()
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
@@ -49,14 +49,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             hidden_chunk, target_chunk = hidden[rows].to(dtype), targets[rows]
             kept = (target_chunk != IGNORE_INDEX).unsqueeze(1)
             target_or_zero = torch.where(kept, target_chunk.unsqueeze(1), 0)
-            log_probs = (hidden_chunk @ weight_lowp.t()).float().log_softmax(dim=-1)  # the loss in float32
+            log_probs = (hidden_chunk @ weight_cast.t()).float().log_softmax(dim=-1)  # the loss in float32
             loss_sum = loss_sum - torch.where(kept, log_probs.gather(1, target_or_zero), 0.0).sum()
             # counted x d loss / d logits = softmax - one_hot(target), zero on skipped rows. The division by
             # counted waits until after the matmuls: in float16 (GPUs before Ampere) p / 32,768 would underflow.
-            grad_logits = log_probs.exp_()  # in place: the log-probabilities are not needed any more
-            grad_logits.scatter_add_(1, target_or_zero, -torch.ones_like(log_probs[:, :1]))
-            grad_logits = torch.where(kept, grad_logits, 0.0).to(dtype)
-            grad_hidden[rows] = grad_logits @ weight_lowp
+            # (one elementwise expression: compiled, the kernels go from the bf16 logits to their bf16 gradient
+            # with no float32 chunk in between, and write it over the logits' buffer)
+            one_hot = torch.arange(log_probs.shape[1], device=log_probs.device) == target_or_zero
+            grad_logits = torch.where(kept, log_probs.exp() - one_hot.to(log_probs.dtype), 0.0).to(dtype)
+            grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight += grad_logits.t() @ hidden_chunk
         ctx.save_for_backward(grad_hidden / counted, grad_weight / counted)
         return loss_sum / counted

@@ -23,8 +23,8 @@ AdamW's two moments (12 bytes per parameter; the gradients were freed by zero_gr
 backward), everything saved, and the loss's gradient with respect to the logits, as large as the logits, which the
 fused loss backward writes while the saved logits are still alive. With the head and the loss in chunks
 (--chunked-loss, bench/chunked_loss.py) no logits are saved, and the peak comes at the end of the forward instead:
-everything saved, plus the last chunk's logits and their gradient. The caching allocator reserves somewhat more
-than that (it rounds blocks and keeps freed ones). What the GPU reports, `Reserved memory` in a stage's log and
+everything saved, plus one chunk's logits, over which Inductor writes their gradient. The caching allocator
+reserves somewhat more than that (it rounds blocks and keeps freed ones). What the GPU reports, `Reserved memory` in a stage's log and
 `peak_reserved_gb` in the ladder, is the measurement.
 
     python bench/memory_model.py                    # rung 10: 01 at batch 32
@@ -131,12 +131,14 @@ class StepMemory:
     @property
     def head_bytes(self):
         """What the head and the loss hold at the peak beyond what is saved. All at once: the logits' gradient,
-        written by the loss's backward while the saved logits are alive. In chunks: the last chunk's logits and
-        their gradient, made at the end of the forward, when everything else is saved already."""
+        written by the loss's backward while the saved logits are alive. In chunks: the last chunk's logits, made at
+        the end of the forward, when everything else is saved already; Inductor writes their gradient over them (it
+        reuses the buffer of a tensor whose last reader writes one of the same size), and the next chunk's logits
+        over that."""
         if not self.chunk_tokens:
             return self.logits_bytes
         tokens = self.batch_size * self.context_length
-        return 2 * self.logits_bytes * min(self.chunk_tokens, tokens) // tokens
+        return self.logits_bytes * min(self.chunk_tokens, tokens) // tokens
 
     @property
     def peak_bytes(self):
@@ -295,7 +297,7 @@ def report(memory, smallest_row_bytes=2**20):
               f"Model of the peak, at the {'last chunk of the head' if memory.chunk_tokens else 'start of the backward'}"
               f": {_gib(memory.peak_bytes)} = weights and AdamW "
               f"moments {_gib(memory.states_bytes)} (12 bytes x {memory.num_params:,} parameters) + saved "
-              f"{_gib(memory.saved_bytes)} + " + (f"a chunk's logits and their gradient {_gib(memory.head_bytes)}"
+              f"{_gib(memory.saved_bytes)} + " + (f"a chunk's logits, then their gradient {_gib(memory.head_bytes)}"
                                                  if memory.chunk_tokens else
                                                  f"the logits' gradient {_gib(memory.head_bytes)}"),
               "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
