@@ -20,10 +20,16 @@ so a part that is stopped keeps the rungs it finished.
   python bench/ladder.py --batch-size 8       # a GPU with less memory: every rung at batch 8
   python bench/ladder.py --model gpt2-medium  # another of the book's GPT-2 sizes
   python bench/ladder.py --check-scripts      # also run 00 and 01 as they are, beside rungs 0 and 10
+  python bench/ladder.py --time-limit 540     # start no rung that would end after 9 minutes; print the rest
 
-Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), 1 when
-none was, 2 for a wrong command line or a part that does not match the folder's, 130 when interrupted
-(143 / 129 for SIGTERM / SIGHUP; the rungs done so far are kept).
+Where a machine stops every command after a fixed time, --time-limit keeps a part inside it: a rung (or the
+--check-scripts runs) is not started when the rungs of its kind this part has run say it would end after the
+limit, and the part ends by printing the command that measures what is left (with --rungs none where only the
+--check-scripts runs are).
+
+Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with
+--rungs none when the script checks ran; 1 when none was, 2 for a wrong command line or a part that does not
+match the folder's, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP; the rungs done so far are kept).
 
 Testing hook: the environment variable LADDER_FAIL_RUNG=3 (or 3,11) makes those rungs fail on purpose,
 to check that a failure is reported on its row while the other rungs still run.
@@ -71,11 +77,14 @@ KEPT_FROM_SCRIPT_RUNS = ("metrics.json", "loss.png", "loss.pdf")
 # ---------------------------------------------------------------------------------------------
 
 def parse_rungs(text):
-    """'all', '0,8,10' or ranges like '0-7,10' -> a sorted list of rung numbers."""
+    """'all', '0,8,10' or ranges like '0-7,10' -> a sorted list of rung numbers; 'none' -> [] (--check-scripts
+    alone)."""
     from bench.rungs import ALL_RUNGS
 
     if text.strip() == "all":
         return list(ALL_RUNGS)
+    if text.strip() == "none":
+        return []
     chosen = set()
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
@@ -97,8 +106,8 @@ def build_parser():
                         help="the stages' tiny model and batch and fewer steps: every rung in a few minutes "
                              "on a CPU")
     parser.add_argument("--rungs", type=parse_rungs,
-                        help="which rungs: 'all', a list like 0,8,10 or ranges like 0-7 (default: all; 0-10 with "
-                             "--option)")
+                        help="which rungs: 'all', a list like 0,8,10, ranges like 0-7, or 'none' (only the "
+                             "--check-scripts runs) (default: all; 0-10 with --option)")
     parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
@@ -132,6 +141,10 @@ def build_parser():
                         help=f"a change to try on top of the composed rungs 0-10 before it goes into 01 "
                              f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets); the results "
                              "go to a folder of their own (-<option> appended)")
+    parser.add_argument("--time-limit", type=common.whole_number(1), metavar="SECONDS",
+                        help="start no rung (nor the --check-scripts runs) that would end more than SECONDS after "
+                             "the part began, judged by the rungs of its kind this part has run; the part then "
+                             "prints the command that measures the rest (default: no limit)")
     parser.add_argument("--rung-timeout", type=common.whole_number(1), metavar="SECONDS",
                         help="stop a rung that runs longer than this (default: 1800; 900 with --tiny)")
     # Internal worker modes: ladder.py starts itself with these, one fresh process per rung.
@@ -147,6 +160,8 @@ def resolve_defaults(args):
     if args.option and any(number >= 11 for number in args.rungs) and args.run_rung is None:
         raise common.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
                                 "as they are): add --rungs 0-10, or a subset of it")
+    if not args.rungs and not args.check_scripts:
+        raise common.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
     if args.option and args.check_scripts:
         raise common.UsageError("--option changes the composed rungs only: --check-scripts would compare them with "
                                 "scripts that lack it")
@@ -569,6 +584,51 @@ def run_script_checks(args, device_info, logs, rows):
 # The ladder
 # ---------------------------------------------------------------------------------------------
 
+def rung_kind(number):
+    """Rungs of one kind take about as long as each other: eager (0-7), compiled (8-10: compilation first), stage
+    scripts under torchrun (11-12: start-up, evaluation, a sample and a checkpoint besides)."""
+    return "eager" if number <= 7 else "compiled" if number <= 10 else "scripts"
+
+
+def expected_seconds(kinds, seconds_by_kind):
+    """How long runs of `kinds` (one entry per run) should take, judged by the rungs this part has run: the longest
+    of the same kind, or twice the longest of any kind where none of that kind has run yet (compilation and
+    torchrun's start-up make the later kinds the slower ones). None before the part's first rung."""
+    if not seconds_by_kind:
+        return None
+    longest = max(max(seconds) for seconds in seconds_by_kind.values())
+    return sum(max(seconds_by_kind[kind]) if kind in seconds_by_kind else 2 * longest for kind in kinds)
+
+
+def rungs_named(numbers):
+    return f"rung{'s' if len(numbers) > 1 else ''} {report.rung_ranges(numbers)}"
+
+
+def cli_rungs(numbers):
+    """Rung numbers as --rungs takes them: [0, 1, 2, 5] -> '0-2,5'; [] -> 'none'."""
+    groups = []
+    for number in sorted(numbers):
+        if groups and number == groups[-1][1] + 1:
+            groups[-1][1] = number
+        else:
+            groups.append([number, number])
+    return ",".join(f"{first}-{last}" if last > first else f"{first}" for first, last in groups) or "none"
+
+
+def continuation_command(argv, rungs, check_scripts):
+    """The command that measures what --time-limit left of this part: its own flags (argv, without the script's
+    name), with --rungs set to the rungs left and --check-scripts kept only where those runs are left too."""
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--rungs":
+            skip_value = True
+        elif not (arg.startswith("--rungs=") or arg == "--check-scripts" and not check_scripts):
+            kept.append(arg)
+    return shlex.join(["python", "bench/ladder.py", "--rungs", cli_rungs(rungs), *kept])
+
+
 def format_duration(seconds):
     seconds = int(round(seconds))
     return f"{seconds // 60}:{seconds % 60:02d}"
@@ -639,7 +699,7 @@ def new_part(args, device_info, started_at):
                      "windows": min(args.windows, args.steps), "device": args.device,
                      "options": ",".join(sorted(args.option)) or None},
         "reference_source": report.REFERENCE_SOURCE,
-        "parts": [{"started_at": started_at, "command": shlex.join(["python", "bench/ladder.py", *sys.argv[1:]]),
+        "parts": [{"started_at": started_at, "command": shlex.join(["python", "bench/ladder.py", *args.argv]),
                    "git": git_revision(), "rungs": list(args.rungs), "seconds": 0}],
         "rungs": [],
     }
@@ -666,17 +726,26 @@ def run_ladder(args):
         raise common.UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
     stop_on_signals()
 
-    print(f"Ladder: rungs {report.rung_ranges(args.rungs)} on {device_info['description']} | torch "
+    print(f"Ladder: rungs {report.rung_ranges(args.rungs) or 'none'} on {device_info['description']} | torch "
           f"{device_info['torch']} | {report.describe_model(part['settings'])} | {args.warmup} warm-up + "
           f"{args.steps} measured steps per rung{' | --tiny' if args.tiny else ''} | out: {out}"
           + (f" (merged with its rungs {report.rung_ranges(row['rung'] for row in existing['rungs'])})"
              if existing else ""), flush=True)
 
     rows, durations, stopped = part["rungs"], [], None
+    seconds_by_kind, not_started, checks_left = {}, [], False  # for --time-limit
     clock_start = time.monotonic()
     merged = None
     for index, number in enumerate(args.rungs, start=1):
         elapsed = time.monotonic() - clock_start
+        expected = expected_seconds([rung_kind(number)], seconds_by_kind)
+        if args.time_limit and expected is not None and elapsed + expected > args.time_limit:
+            not_started = args.rungs[index - 1:]
+            print(f"--time-limit {args.time_limit} s: rung {number} would end at about "
+                  f"{format_duration(elapsed + expected)} (elapsed {format_duration(elapsed)}, a rung of its kind "
+                  f"about {format_duration(expected)}): {rungs_named(not_started)} not started",
+                  flush=True)
+            break
         remaining = len(args.rungs) - index + 1
         estimate = (f"~{format_duration(statistics.mean(durations) * remaining)} left" if durations
                     else "time left: known after the first rung")
@@ -689,6 +758,7 @@ def run_ladder(args):
         except KeyboardInterrupt as err:
             row, stopped = {"rung": number, "error": report.INTERRUPTED}, err
         durations.append(time.monotonic() - rung_start)
+        seconds_by_kind.setdefault(rung_kind(number), []).append(durations[-1])
         rows.append(report.complete_row(row, durations[-1], f"logs/rung-{number:02d}.log", report.timestamp(),
                                         part["date"]))
         part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
@@ -705,10 +775,19 @@ def run_ladder(args):
             break
 
     if args.check_scripts and not stopped:
-        try:
-            part["script_checks"] = run_script_checks(args, device_info, logs, merged["rungs"])
-        except KeyboardInterrupt as err:
-            stopped = err
+        elapsed = time.monotonic() - clock_start
+        expected = expected_seconds([rung_kind(0), rung_kind(10)], seconds_by_kind)  # 00 and 01 as they are
+        checks_left = bool(not_started) or bool(args.time_limit and expected is not None
+                                                 and elapsed + expected > args.time_limit)
+        if checks_left and not not_started:
+            print(f"--time-limit {args.time_limit} s: the --check-scripts runs would end at about "
+                  f"{format_duration(elapsed + expected)}: not started", flush=True)
+        if not checks_left:
+            try:
+                part["script_checks"] = run_script_checks(args, device_info, logs, (merged or existing or {})
+                                                          .get("rungs", []))
+            except KeyboardInterrupt as err:
+                stopped = err
     part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
     merged = report.merge(existing, part)
     markdown = report.write_report(merged, out, roofline)
@@ -716,8 +795,16 @@ def run_ladder(args):
     print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this part: {measured} of {len(rows)} rungs "
           f"measured in {format_duration(part['parts'][0]['seconds'])}; the table holds rungs "
           f"{report.rung_ranges(row['rung'] for row in merged['rungs'])}\n\n{markdown}", flush=True)
+    if not_started or checks_left:
+        print("--time-limit: the rest of this part is "
+              + (rungs_named(not_started) if not_started else "")
+              + (" and " if not_started and checks_left else "") + ("the --check-scripts runs" if checks_left else "")
+              + f"; measure it with:\n  {continuation_command(args.argv, not_started, checks_left)}", flush=True)
     if stopped:
         return 128 + stopped.args[0] if isinstance(stopped, Stopped) else 130
+    if not args.rungs:  # --rungs none: the script checks are the part
+        checks = part.get("script_checks", [])
+        return common.EXIT_OK if checks and not any(check["error"] for check in checks) else common.EXIT_FAILED
     return common.EXIT_OK if measured else common.EXIT_FAILED
 
 
@@ -726,6 +813,7 @@ def run_ladder(args):
 def main(argv=None):
     try:
         args = resolve_defaults(build_parser().parse_args(argv))
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for the table and --time-limit's advice
         if args.run_rung is not None:
             return run_rung_main(args)
         if args.describe_device:

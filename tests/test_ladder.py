@@ -12,11 +12,13 @@ import argparse
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
+import common
 from bench import ladder, report, rungs
 from conftest import run_script
 
@@ -612,3 +614,76 @@ def test_rung_11_writes_into_the_results_folder_and_keeps_no_checkpoint(tiny_lad
     assert {row["rung"]: row for row in merged["rungs"]}[11]["run_folder"] == "logs/rung-11-run"
     assert sorted(path.name for path in run_folder.iterdir()) == sorted(ladder.KEPT_FROM_SCRIPT_RUNS)
     assert json.loads((run_folder / "metrics.json").read_text())["settings"]["batch_size"] == 2
+
+
+def test_time_limit_helpers():
+    assert [ladder.rung_kind(number) for number in (0, 7, 8, 10, 11, 12)] == ["eager", "eager", "compiled",
+                                                                                "compiled", "scripts", "scripts"]
+    assert ladder.expected_seconds(["eager"], {}) is None  # before the first rung: no judgement
+    seen = {"eager": [50.0, 70.0]}
+    assert ladder.expected_seconds(["eager"], seen) == 70.0  # the longest of its kind
+    assert ladder.expected_seconds(["compiled"], seen) == 140.0  # none of its kind yet: twice the longest
+    assert ladder.expected_seconds(["eager", "compiled"], seen) == 210.0
+    assert ladder.cli_rungs([0, 1, 2, 5, 8, 9]) == "0-2,5,8-9" and ladder.cli_rungs([]) == "none"
+    argv = ["--rungs", "0-12", "--check-scripts", "--time-limit", "540", "--out", "my results"]
+    assert ladder.continuation_command(argv, [8, 9, 10], True) == (
+        "python bench/ladder.py --rungs 8-10 --check-scripts --time-limit 540 --out 'my results'")
+    assert ladder.continuation_command(["--rungs=0-5", "--check-scripts"], [], False) == (
+        "python bench/ladder.py --rungs none")
+
+
+class FakeClock:
+    """time for run_ladder: monotonic() is what the fake rungs say has passed; the rest is the real module."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest(tmp_path, monkeypatch, capsys):
+    """Eager rungs take 60 s, compiled ones 150 s: with 400 s, rungs 0-2 (180 s), then rung 3 would end at 240 s,
+    4 at 300 s, 5 at 360 s; rung 6 at 420 s is not started, and the command for rungs 6-10 and the checks is printed.
+    Then --rungs none --check-scripts runs only the checks, against the rows already in the folder."""
+    clock = FakeClock()
+    monkeypatch.setattr(ladder, "time", clock)
+    monkeypatch.setattr(ladder, "describe_device", lambda args: {
+        "device_type": "cpu", "description": "CPU (fake)", "name": "fake cpu", "slug": "fake-cpu", "gpu_count": 0,
+        "cuda": None, "torch": torch.__version__, "python": "3.11"})
+    monkeypatch.setattr(ladder.report, "plot_ladder", lambda report, path: None)
+
+    def fake_rung(number, args, logs):
+        clock.now += 150.0 if number >= 8 else 60.0
+        return {"rung": number, "error": None, "tokens_per_sec": 1000.0 + number, "tokens_per_sec_min": 990.0,
+                "tokens_per_sec_max": 1010.0 + number, "batch_size": 4, "notes": []}
+
+    checked = []
+
+    def fake_checks(args, device_info, logs, rows):
+        clock.now += 210.0
+        checked.append(sorted(row["rung"] for row in rows))
+        return [{"script": "00_orig.py", "rung": 0, "error": None, "tokens_per_sec": 990.0, "tokens_per_sec_min": 980.0,
+                 "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}]
+
+    monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
+    monkeypatch.setattr(ladder, "run_script_checks", fake_checks)
+    out = tmp_path / "out"
+    flags = ["--tiny", "--check-scripts", "--time-limit", "400", "--out", str(out)]
+    assert ladder.main(["--rungs", "0-10", *flags]) == 0
+    printed = capsys.readouterr().out
+    measured = json.loads((out / "ladder.json").read_text())
+    assert [row["rung"] for row in measured["rungs"]] == [0, 1, 2, 3, 4, 5] and not checked
+    assert "rung 6 would end at about 7:00" in printed and "rungs 6–10 not started" in printed
+    assert ("the rest of this part is rungs 6–10 and the --check-scripts runs; measure it with:\n  python "
+            f"bench/ladder.py --rungs 6-10 --tiny --check-scripts --time-limit 400 --out {out}") in printed
+
+    clock.now = 0.0
+    assert ladder.main(["--rungs", "none", *flags]) == 0
+    assert checked == [[0, 1, 2, 3, 4, 5]]  # the folder's rows, for the checks to compare with
+    assert "--time-limit: the rest" not in capsys.readouterr().out
+    with pytest.raises(common.UsageError, match="--rungs none measures nothing"):
+        ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "none"]))
