@@ -606,13 +606,7 @@ def rungs_named(numbers):
 
 def cli_rungs(numbers):
     """Rung numbers as --rungs takes them: [0, 1, 2, 5] -> '0-2,5'; [] -> 'none'."""
-    groups = []
-    for number in sorted(numbers):
-        if groups and number == groups[-1][1] + 1:
-            groups[-1][1] = number
-        else:
-            groups.append([number, number])
-    return ",".join(f"{first}-{last}" if last > first else f"{first}" for first, last in groups) or "none"
+    return report.rung_ranges(numbers, dash="-", separator=",") or "none"
 
 
 def continuation_command(argv, rungs, check_scripts):

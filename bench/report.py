@@ -281,15 +281,16 @@ def _number(value, digits=0, suffix=""):
     return "—" if value is None else f"{value:,.{digits}f}{suffix}"
 
 
-def rung_ranges(numbers):
-    """[0, 1, 2, 5, 11, 12] -> '0–2, 5, 11–12'."""
+def rung_ranges(numbers, dash="–", separator=", "):
+    """[0, 1, 2, 5, 11, 12] -> '0–2, 5, 11–12' (with dash="-" and separator=",": '0-2,5,11-12', as --rungs takes
+    them)."""
     ranges = []
     for number in sorted(numbers):
         if ranges and number == ranges[-1][1] + 1:
             ranges[-1][1] = number
         else:
             ranges.append([number, number])
-    return ", ".join(str(first) if first == last else f"{first}–{last}" for first, last in ranges)
+    return separator.join(str(first) if first == last else f"{first}{dash}{last}" for first, last in ranges)
 
 
 def ratio_label(row):
