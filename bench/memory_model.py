@@ -20,12 +20,15 @@ tests/test_memory_model.py), and the dropout masks come from Inductor's own rand
 
 The peak it reports is a model, not a measurement: at the start of the backward the GPU holds the float32 weights,
 AdamW's two moments (12 bytes per parameter; the gradients were freed by zero_grad and are rebuilt during the
-backward), everything saved, and the loss's gradient with respect to the logits, as large as the logits, which the
-fused loss backward writes while the saved logits are still alive. With the head and the loss in chunks
-(--chunked-loss, bench/chunked_loss.py) no logits are saved, and the peak comes at the end of the forward instead:
-everything saved, plus one chunk's logits, over which Inductor writes their gradient. The caching allocator
-reserves somewhat more than that (it rounds blocks and keeps freed ones). What the GPU reports, `Reserved memory` in a stage's log and
-`peak_reserved_gb` in the ladder, is the measurement.
+backward) and everything saved. The loss's gradient with respect to the logits, as large as the logits, adds
+nothing: AOTAutograd hands the saved tensors to the backward graph to reuse (`donated_buffer`, on by default), and
+Inductor writes that gradient over the saved logits, which the loss's backward reads for the last time as it
+writes it (tests/test_memory_model.py reads it in Inductor's generated code); with donation off, it would add the
+logits' size. With the head and the loss in chunks (--chunked-loss, bench/chunked_loss.py) no logits are saved,
+and the peak comes at the end of the forward instead: everything saved, plus one chunk's logits, over which
+Inductor writes their gradient. The caching allocator reserves somewhat more than that (it rounds blocks and keeps
+freed ones), and the backward's own gradients come on top as it goes. What the GPU reports, `Reserved memory` in a
+stage's log and `peak_reserved_gb` in the ladder, is the measurement.
 
     python bench/memory_model.py                    # rung 10: 01 at batch 32
     python bench/memory_model.py --budget 0.8       # what the ladder's --option memory-budget sets
@@ -119,6 +122,7 @@ class StepMemory:
     backward_matmuls: int   # mm, addmm and bmm calls in the backward graph: recomputed matmuls add to them
     logits_bytes: int       # the logits (and their gradient): tokens x vocabulary in the autocast dtype
     chunk_tokens: int = None  # the head and the loss in chunks of this many tokens (bench/chunked_loss.py)
+    donated: bool = True    # torch._functorch.config.donated_buffer: the backward may write over saved tensors
 
     @property
     def saved_bytes(self):
@@ -130,13 +134,13 @@ class StepMemory:
 
     @property
     def head_bytes(self):
-        """What the head and the loss hold at the peak beyond what is saved. All at once: the logits' gradient,
-        written by the loss's backward while the saved logits are alive. In chunks: the last chunk's logits, made at
-        the end of the forward, when everything else is saved already; Inductor writes their gradient over them (it
-        reuses the buffer of a tensor whose last reader writes one of the same size), and the next chunk's logits
-        over that."""
+        """What the head and the loss hold at the peak beyond what is saved. All at once: nothing where the saved
+        logits are donated to the backward (their gradient is written over them), else the logits' gradient. In
+        chunks: the last chunk's logits, made at the end of the forward, when everything else is saved already;
+        Inductor writes their gradient over them (it reuses the buffer of a tensor whose last reader writes one of
+        the same size), and the next chunk's logits over that."""
         if not self.chunk_tokens:
-            return self.logits_bytes
+            return 0 if self.donated else self.logits_bytes
         tokens = self.batch_size * self.context_length
         return self.logits_bytes * min(self.chunk_tokens, tokens) // tokens
 
@@ -253,7 +257,7 @@ def trace_step(rung=10, model="gpt2-small", batch_size=None, budget=1.0, tiny_co
                       vocab_size=cfg["vocab_size"], budget=budget, num_params=sum(p.numel() for p in net.parameters()),
                       saved=saved_tensors(graphs["forward"]), backward_matmuls=_count_matmuls(graphs["backward"]),
                       logits_bytes=batch * cfg["context_length"] * cfg["vocab_size"] * modelled.autocast_dtype.itemsize,
-                      chunk_tokens=chunk_tokens)
+                      chunk_tokens=chunk_tokens, donated=bool(getattr(functorch_config, "donated_buffer", False)))
 
 
 def grouped(saved):
@@ -299,7 +303,9 @@ def report(memory, smallest_row_bytes=2**20):
               f"moments {_gib(memory.states_bytes)} (12 bytes x {memory.num_params:,} parameters) + saved "
               f"{_gib(memory.saved_bytes)} + " + (f"a chunk's logits, then their gradient {_gib(memory.head_bytes)}"
                                                  if memory.chunk_tokens else
-                                                 f"the logits' gradient {_gib(memory.head_bytes)}"),
+                                                 f"the logits' gradient {_gib(memory.head_bytes)}"
+                                                 + (" (written over the saved logits: donated_buffer)"
+                                                    if memory.donated else "")),
               "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
     return "\n".join(lines)
 

@@ -90,7 +90,8 @@ def test_01_trains_at_full_size(run_01, report):  # budget: run_01's
 
 def test_01_peak_memory_is_what_the_partition_model_says(run_01, report):
     """bench/memory_model.py models 01's peak from what the compiled forward saves (PyTorch's partitioner on fake
-    tensors, on the CPU) plus the weights, AdamW's moments and the logits' gradient. The GPU's own peak checks that
+    tensors, on the CPU) plus the weights and AdamW's moments (the logits' gradient is written over the saved logits:
+    donated buffers). The GPU's own peak checks that
     model (the README quotes it for batch 32), within what the model leaves out: the allocator's workspaces, the
     gradients that the backward allocates while the saved tensors are still alive, fragmentation."""
     # budget: ~10 s of CPU for the model; the run is run_01's
