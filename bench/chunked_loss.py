@@ -1,17 +1,16 @@
 """The output head and the loss in chunks of tokens, with their gradient made in the forward: no logits kept.
 
 The largest tensor of a training step is the logits, batch x tokens x vocabulary (3 GiB in bf16 for 01 at batch
-32): the forward keeps them for the loss's backward, and the backward writes their gradient, as large again, while
-they are still alive (bench/memory_model.py counts both). Once the loss is known, its gradient with respect to the
-logits is known too: softmax(logits) - one_hot(target), divided by the number of tokens. So the forward can finish
-the head's backward itself, a chunk of tokens at a time, and keep only what the backward needs from it: the
-gradient of the head's input (tokens x width) and of its weight (vocabulary x width). A chunk's logits are gone
-before the next chunk's are made.
+32), and the forward keeps them until the loss's backward has written their gradient (over them: bench/memory_model.py
+counts them among the saved tensors). Once the loss is known, its gradient with respect to the logits is known too:
+softmax(logits) - one_hot(target), divided by the number of tokens. So the forward can finish the head's backward
+itself, a chunk of tokens at a time, and keep only what the backward needs from it: the gradient of the head's
+input (tokens x width) and of its weight (vocabulary x width). A chunk's logits are gone before the next chunk's are
+made.
 
-The matmuls are the same three as before (logits, and the two gradient matmuls), so no FLOP is added; the loss's
-reductions read each chunk once more than a fused kernel over the whole logits would. The same idea is llm.c's
-fused classifier and Liger Kernel's fused linear cross-entropy. `--option chunked-loss` of bench/ladder.py
-measures it on the composed rungs (4 to 10: the rungs whose loss is 01's forward_and_loss).
+The matmuls are the same three as before (the logits, and the two gradient matmuls), so no FLOP is added. The same
+idea is llm.c's fused classifier and Liger Kernel's fused linear cross-entropy. `--option chunked-loss` of
+bench/ladder.py measures it on the composed rungs (4 to 10: the rungs whose loss is 01's forward_and_loss).
 """
 
 import torch
