@@ -600,6 +600,12 @@ def expected_seconds(kinds, seconds_by_kind):
     return sum(max(seconds_by_kind[kind]) if kind in seconds_by_kind else 2 * longest for kind in kinds)
 
 
+def past_the_limit(args, elapsed, expected):
+    """Whether runs expected to take `expected` seconds, started `elapsed` seconds into the part, would end after
+    --time-limit (never before the part's first rung, when nothing says how long a rung takes)."""
+    return bool(args.time_limit and expected is not None and elapsed + expected > args.time_limit)
+
+
 def rungs_named(numbers):
     return f"rung{'s' if len(numbers) > 1 else ''} {report.rung_ranges(numbers)}"
 
@@ -733,7 +739,7 @@ def run_ladder(args):
     for index, number in enumerate(args.rungs, start=1):
         elapsed = time.monotonic() - clock_start
         expected = expected_seconds([rung_kind(number)], seconds_by_kind)
-        if args.time_limit and expected is not None and elapsed + expected > args.time_limit:
+        if past_the_limit(args, elapsed, expected):
             not_started = args.rungs[index - 1:]
             print(f"--time-limit {args.time_limit} s: rung {number} would end at about "
                   f"{format_duration(elapsed + expected)} (elapsed {format_duration(elapsed)}, a rung of its kind "
@@ -771,15 +777,14 @@ def run_ladder(args):
     if args.check_scripts and not stopped:
         elapsed = time.monotonic() - clock_start
         expected = expected_seconds([rung_kind(0), rung_kind(10)], seconds_by_kind)  # 00 and 01 as they are
-        checks_left = bool(not_started) or bool(args.time_limit and expected is not None
-                                                 and elapsed + expected > args.time_limit)
+        checks_left = bool(not_started) or past_the_limit(args, elapsed, expected)
         if checks_left and not not_started:
             print(f"--time-limit {args.time_limit} s: the --check-scripts runs would end at about "
                   f"{format_duration(elapsed + expected)}: not started", flush=True)
         if not checks_left:
             try:
-                part["script_checks"] = run_script_checks(args, device_info, logs, (merged or existing or {})
-                                                          .get("rungs", []))
+                rows_so_far = report.merge(existing, part)["rungs"]  # the folder's too (--rungs none)
+                part["script_checks"] = run_script_checks(args, device_info, logs, rows_so_far)
             except KeyboardInterrupt as err:
                 stopped = err
     part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
