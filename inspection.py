@@ -71,9 +71,12 @@ class RunInspection:
             self.profiler.start()
             self.profiled_steps = range(first_step + PROFILE_WAIT, profiled_last)  # warm-up and active: off the clock
         if args.memory_snapshot and is_writer:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            # Python stacks only: the C++ frames ("all", the default) are symbolized at the dump, which can take
+            # minutes at this size; the Python lines are what memory_viz shows a reader of the stage
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             torch.cuda.reset_peak_memory_stats(device)
             self.snapshot = device
+            self.snapshot_recorded = 0  # steps done since the recording began
             self.snapshot_steps = range(first_step, first_step + SNAPSHOT_STEPS)
 
     def off_clock(self, step):
@@ -90,12 +93,19 @@ class RunInspection:
     def step_done(self, step):
         """Call after each training step (`step`, 0-based, the one just done)."""
         if self.profiler is not None:
+            if self.cuda and step in self.profiled_steps:
+                # The host runs ahead of the GPU: without this the kernels still queued from this step would run
+                # inside the next step's window of the trace (the step after the warm-up one is the first kept).
+                # These steps are off the clock, so waiting here costs tok/s nothing.
+                self.torch.cuda.synchronize()
             self.profiler.step()
             if step + 1 >= self.profiled_steps.stop:
                 self.profiler.stop()
                 self.profiler = None
-        if self.snapshot is not None and step + 1 - self.first_step >= SNAPSHOT_STEPS:
-            self._write_snapshot()
+        if self.snapshot is not None:
+            self.snapshot_recorded += 1
+            if self.snapshot_recorded >= SNAPSHOT_STEPS:
+                self._write_snapshot()
 
     def _write_trace(self, prof):
         path = self.out / "profile" / f"{Path(sys.argv[0]).stem}.pt.trace.json"  # the name TensorBoard looks for
@@ -118,12 +128,16 @@ class RunInspection:
         checkpoints.save_atomically(lambda tmp: torch.cuda.memory._dump_snapshot(tmp), path)
         torch.cuda.memory._record_memory_history(enabled=None)
         self.snapshot = None
-        print(f"Memory snapshot of the first {SNAPSHOT_STEPS} steps: {path} (drop it on https://pytorch.org/memory_viz)"
-              f" | peak over them: {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB allocated, "
+        steps = self.snapshot_recorded
+        print(f"Memory snapshot of the first {steps} step{'s' if steps != 1 else ''}: {path} (drop it on "
+              f"https://pytorch.org/memory_viz) | peak over them: {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved(device) / 1024**3:.2f} GiB reserved", flush=True)
 
     def finish(self):
-        """At the end of training: print the profile's table of top operators (if one was taken)."""
+        """At the end of training: the memory snapshot of a run shorter than SNAPSHOT_STEPS (what it recorded), and
+        the profile's table of top operators (if one was taken)."""
+        if self.snapshot is not None:
+            self._write_snapshot()
         if self.report:
             print(self.report, flush=True)
         return None if self.report is None else str(self.out / "profile")

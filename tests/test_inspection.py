@@ -103,3 +103,81 @@ def test_readme_has_a_looking_inside_a_run_section():
     for text in ("--profile", "--memory-snapshot", "memory_viz", "expandable_segments", "FlopCounterMode",
                  "pytorch.org/docs"):
         assert text in section, text
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA branches of RunInspection, on the CPU: torch.cuda's calls replaced by recorders
+# ---------------------------------------------------------------------------------------------
+
+class CudaCalls:
+    """Stands in for the torch.cuda calls RunInspection makes, and records them in order."""
+
+    def __init__(self, monkeypatch):
+        import torch
+
+        self.calls = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.calls.append("synchronize"))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 1024**3)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 1024**3)
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                            lambda enabled="all", **options: self.calls.append(("record", enabled, options)))
+        monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", self.dump)
+
+    def dump(self, path):
+        self.calls.append("dump")
+        with open(path, "wb") as file:
+            file.write(b"snapshot")
+
+
+def inspection_args(tmp_path, **flags):
+    import argparse
+
+    return argparse.Namespace(**{"out": tmp_path, "profile": False, "memory_snapshot": False, **flags})
+
+
+def test_profiled_steps_on_cuda_end_with_the_gpu_idle_so_no_step_leaks_into_the_trace(monkeypatch, tmp_path):
+    import torch
+
+    recorded = CudaCalls(monkeypatch)
+    inspector = inspection.RunInspection(inspection_args(tmp_path, profile=True), torch.device("cpu"), 0, 20)
+    inspector.profiler.stop()  # the real profiler (CPU) gives way to a recorder of the schedule's steps
+
+    class Profiler:
+        def step(self):
+            recorded.calls.append("profiler step")
+
+        def stop(self):
+            recorded.calls.append("profiler stop")
+
+    inspector.profiler, inspector.cuda = Profiler(), True  # the CUDA branch
+    for step in range(12):
+        recorded.calls.append(step)
+        inspector.step_done(step)
+    # steps 5 (warm-up) to 8 (the last kept) are off the clock: each waits for its kernels before the schedule moves
+    # on, so a kept step's window holds no kernel of the step before; on-clock steps never wait
+    expected = [call for step in range(12) for call in (
+        [step, "synchronize", "profiler step"] if step in PROFILED else [step, "profiler step"])]
+    expected.insert(expected.index(8) + 3, "profiler stop")
+    assert recorded.calls[:expected.index(9)] == expected[:expected.index(9)]
+    assert recorded.calls[expected.index(9):] == [9, 10, 11]  # the profiler is done: nothing more
+
+
+@pytest.mark.parametrize("total_steps", (10, 2))
+def test_memory_snapshot_records_python_stacks_and_is_written_even_for_a_short_run(
+        total_steps, monkeypatch, tmp_path, capsys):
+    import torch
+
+    recorded = CudaCalls(monkeypatch)
+    inspector = inspection.RunInspection(inspection_args(tmp_path, memory_snapshot=True), torch.device("cuda", 0),
+                                         0, total_steps)
+    # Python frames only: C++ frames are symbolized when the snapshot is dumped, which can take minutes
+    assert recorded.calls == [("record", "all", {"max_entries": 1_000_000, "stacks": "python"})]
+    for step in range(total_steps):
+        assert inspector.off_clock(step) == (step < inspection.SNAPSHOT_STEPS)
+        inspector.step_done(step)
+    inspector.finish()
+    assert recorded.calls[1:] == ["synchronize", "dump", ("record", None, {})]  # once, then recording stops
+    assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"
+    steps = min(total_steps, inspection.SNAPSHOT_STEPS)
+    assert f"Memory snapshot of the first {steps} steps: " in capsys.readouterr().out
