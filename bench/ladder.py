@@ -304,6 +304,33 @@ def run_rung_main(args):
 # Running children
 # ---------------------------------------------------------------------------------------------
 
+def parent_death_signal():
+    """A function for Popen's preexec_fn that has the child sent SIGTERM when the thread that started it ends,
+    however it ends (Linux's PR_SET_PDEATHSIG); None where there is no such thing.
+
+    A child leads its own session (so that it can be stopped as a whole), and so a kill of this process's group
+    (a job queue's time limit, `timeout`) would not reach it: without this it would go on holding the GPU, and time
+    the next command's runs against its own. On SIGTERM a stage saves its checkpoint and exits, and torchrun stops
+    its workers."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def set_signal():  # in the child, between fork and exec: no imports, no allocation worth the name
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call above: no signal would come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_signal
+
+
 def stop_process_group(process):
     """End a child we started and everything it started (it leads its own session)."""
     for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
@@ -331,7 +358,8 @@ def run_streaming(command, log_path, timeout, echo_prefix="    ", env=None):
         log.flush()
         process = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace",
-                                   start_new_session=True)  # its own group: stopped as a whole
+                                   start_new_session=True,  # its own group: stopped as a whole
+                                   preexec_fn=parent_death_signal())  # and never outliving this process
 
         def pump():
             for line in process.stdout:
@@ -379,26 +407,29 @@ def describe_device(args):
 ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception)\b(?<!ChildFailedError)|^error:|^training failed:")
 
 
-def failure_from_output(code, tail, timeout):
+def failure_from_output(code, tail, timeout, limit="--rung-timeout"):
     if code is None:
-        return f"timed out after {timeout} s (--rung-timeout)"
+        return f"timed out after {timeout} s ({limit})"
     lines = [line.strip() for line in tail if re.search(r"\w", line)]
     errors = [line for line in lines if ERROR_LINE.search(line)]
     last = (errors or lines or [""])[-1]
     return f"exited with code {code}" + (f": {last[:120]}" if last else "")
 
 
-def run_single_process_rung(number, args, logs):
+def timed_out(timeout, limit):
+    """The row of a run stopped at its timeout; `limit` names the flag that set it."""
+    return {"error": failure_from_output(None, [], timeout, limit), "timed_out": True}
+
+
+def run_single_process_rung(number, args, logs, timeout, limit="--rung-timeout"):
     result_path = logs / f"rung-{number:02d}.json"
     result_path.unlink(missing_ok=True)
     command = worker_command(args, "--run-rung", number, "--result", result_path)
-    code, tail = run_streaming(command, logs / f"rung-{number:02d}.log", args.rung_timeout)
-    if result_path.exists():
-        result = json.loads(result_path.read_text())
-        if code is None:
-            result["error"] = failure_from_output(code, tail, args.rung_timeout)
-        return result
-    return {"rung": number, "error": failure_from_output(code, tail, args.rung_timeout)}  # crashed hard
+    code, tail = run_streaming(command, logs / f"rung-{number:02d}.log", timeout)
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"rung": number}
+    if code is None:
+        return {**result, **timed_out(timeout, limit)}
+    return result if result_path.exists() else {**result, "error": failure_from_output(code, tail, timeout)}
 
 
 def script_schedule(warmup, steps, windows, steps_per_epoch=None):
@@ -469,7 +500,7 @@ def drop_checkpoints(run_dir):
             entry.unlink(missing_ok=True)
 
 
-def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir, processes=1):
+def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir, timeout, limit, processes=1):
     """Run a stage script as it is (flags only) into `run_dir` and read its metrics.json into a ladder row.
 
     Its numbers come from its own clock (the per-interval `Step tok/sec` of its log, all processes
@@ -487,12 +518,14 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
     start_run_folder(run_dir)
     try:
         code, tail = run_streaming([*launcher, script, *script_flags(args, run_dir, max_steps, window)], log_path,
-                                   args.rung_timeout)
+                                   timeout)
     finally:
         drop_checkpoints(run_dir)  # also after a failure or an interrupt: a checkpoint is never needed here
     metrics_path = run_dir / "metrics.json"
+    if code is None:
+        return timed_out(timeout, limit)
     if code != 0 or not metrics_path.exists():
-        return {"error": failure_from_output(code, tail, args.rung_timeout)}
+        return {"error": failure_from_output(code, tail, timeout)}
     metrics = json.loads(metrics_path.read_text())
 
     log = sorted(metrics.get("log", []), key=lambda entry: entry["step"])
@@ -523,7 +556,7 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
     }
 
 
-def run_multi_process_rung(number, args, device_info, logs):
+def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--rung-timeout"):
     """Rung 11 (02, DDP) or 12 (03, FSDP2): the stage script itself under torchrun, one process per visible GPU
     (one on a CPU), at the same settings, so that the two rows show what sharding costs against DDP.
 
@@ -542,7 +575,7 @@ def run_multi_process_rung(number, args, device_info, logs):
     run_dir = logs / f"rung-{number:02d}-run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                 "--log-dir", run_dir / "torchrun"]  # torchrun's own files: not in /tmp
-    row = run_stage_script(script_name, torchrun, args, device_info, log_path, run_dir, processes)
+    row = run_stage_script(script_name, torchrun, args, device_info, log_path, run_dir, timeout, limit, processes)
     row["rung"] = number
     if row["error"] is None:
         world_size = row["world_size"]
@@ -556,7 +589,7 @@ def run_multi_process_rung(number, args, device_info, logs):
     return row
 
 
-def run_script_checks(args, device_info, logs, rows):
+def run_script_checks(args, device_info, logs, rows, deadline):
     """--check-scripts: run 00 and 01 as they are and set their own clock beside rungs 0 and 10."""
     from bench.rungs import STAGE_00, STAGE_01
 
@@ -565,11 +598,11 @@ def run_script_checks(args, device_info, logs, rows):
         print(f"Cross-check: {script_name} as it is, for rung {rung}", flush=True)
         stem = Path(script_name).stem
         result = run_stage_script(script_name, [sys.executable], args, device_info, logs / f"script-{stem}.log",
-                                  logs / f"script-{stem}-run")
+                                  logs / f"script-{stem}-run", *run_timeout(args, deadline))
         ladder_row = next((row for row in rows if row["rung"] == rung), None)
         ladder_speed = ladder_row.get("tokens_per_sec") if ladder_row else None
         checks.append({
-            "script": script_name, "rung": rung, "error": result["error"],
+            "script": script_name, "rung": rung, "error": result["error"], "timed_out": result.get("timed_out"),
             "tokens_per_sec": result.get("tokens_per_sec"), "tokens_per_sec_min": result.get("tokens_per_sec_min"),
             "tokens_per_sec_max": result.get("tokens_per_sec_max"), "rung_tokens_per_sec": ladder_speed,
             "script_over_rung": (result["tokens_per_sec"] / ladder_speed
@@ -604,6 +637,21 @@ def past_the_limit(args, elapsed, expected):
     """Whether runs expected to take `expected` seconds, started `elapsed` seconds into the part, would end after
     --time-limit (never before the part's first rung, when nothing says how long a rung takes)."""
     return bool(args.time_limit and expected is not None and elapsed + expected > args.time_limit)
+
+
+def run_timeout(args, deadline):
+    """(seconds, the flag that sets them) for the next run: --rung-timeout, or what is left before --time-limit's
+    deadline where that is less. A rung that outlasts the judgement is then stopped by the ladder itself, which ends
+    the part in order, its rows and the command for the rest printed, rather than by whatever enforces the limit."""
+    if deadline is None:
+        return args.rung_timeout, "--rung-timeout"
+    left = max(1, math.floor(deadline - time.monotonic()))
+    return (left, "--time-limit") if left < args.rung_timeout else (args.rung_timeout, "--rung-timeout")
+
+
+def cut_at_the_limit(result):
+    """Whether a run (a rung's row, a script check) was stopped at --time-limit's deadline."""
+    return bool(result.pop("timed_out", None)) and result["error"].endswith("(--time-limit)")
 
 
 def rungs_named(numbers):
@@ -735,6 +783,7 @@ def run_ladder(args):
     rows, durations, stopped = part["rungs"], [], None
     seconds_by_kind, not_started, checks_left = {}, [], False  # for --time-limit
     clock_start = time.monotonic()
+    deadline = clock_start + args.time_limit if args.time_limit else None
     merged = None
     for index, number in enumerate(args.rungs, start=1):
         elapsed = time.monotonic() - clock_start
@@ -753,12 +802,19 @@ def run_ladder(args):
               f"{format_duration(elapsed)}, {estimate}", flush=True)
         rung_start = time.monotonic()
         try:
-            row = (run_multi_process_rung(number, args, device_info, logs) if number >= 11
-                   else run_single_process_rung(number, args, logs))
+            timeout = run_timeout(args, deadline)
+            row = (run_multi_process_rung(number, args, device_info, logs, *timeout) if number >= 11
+                   else run_single_process_rung(number, args, logs, *timeout))
         except KeyboardInterrupt as err:
             row, stopped = {"rung": number, "error": report.INTERRUPTED}, err
         durations.append(time.monotonic() - rung_start)
         seconds_by_kind.setdefault(rung_kind(number), []).append(durations[-1])
+        if cut_at_the_limit(row) and rows:  # the first rung of a part keeps its row: no part would hold it
+            not_started = args.rungs[index - 1:]
+            print(f"--time-limit {args.time_limit} s: rung {number} was stopped at the limit after "
+                  f"{format_duration(durations[-1])}, longer than judged; it starts the next part, with the whole "
+                  "limit to itself", flush=True)
+            break
         rows.append(report.complete_row(row, durations[-1], f"logs/rung-{number:02d}.log", report.timestamp(),
                                         part["date"]))
         part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
@@ -784,7 +840,13 @@ def run_ladder(args):
         if not checks_left:
             try:
                 rows_so_far = report.merge(existing, part)["rungs"]  # the folder's too (--rungs none)
-                part["script_checks"] = run_script_checks(args, device_info, logs, rows_so_far)
+                checks = run_script_checks(args, device_info, logs, rows_so_far, deadline)
+                if any([cut_at_the_limit(check) for check in checks]) and rows:
+                    checks_left = True  # a part of their own, which gives them the whole limit
+                    print(f"--time-limit {args.time_limit} s: the --check-scripts runs were stopped at the limit: "
+                          "not kept", flush=True)
+                else:
+                    part["script_checks"] = checks
             except KeyboardInterrupt as err:
                 stopped = err
     part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)

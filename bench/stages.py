@@ -40,8 +40,8 @@ if str(ROOT) not in sys.path:
 
 import checkpoints  # noqa: E402  (needs the path above)
 import common  # noqa: E402
-from bench.ladder import (describe_device, drop_checkpoints, failure_from_output, git_revision,  # noqa: E402
-                          nvidia_driver, run_streaming, start_run_folder)
+from bench.ladder import (Stopped, describe_device, drop_checkpoints, failure_from_output,  # noqa: E402
+                          git_revision, nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
 
 TORCHRUN_ONE_PROCESS = ("torchrun", "--standalone", "--nproc_per_node=1")
 # name: (what the user types after python or torchrun, the flags of this run, whose compile cache it uses)
@@ -175,14 +175,15 @@ def main(argv=None):
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
               "command": shlex.join(["python", "bench/stages.py", *(argv if argv is not None else sys.argv[1:])]),
               "runs": []}
+    stop_on_signals()  # SIGTERM and SIGHUP as Ctrl-C: the run in progress is stopped with everything it started
     try:
         for name in names:
             report["runs"].append(measure(name, args, out))
             checkpoints.write_json(report, out / "stages.json")  # after every run: a cut-off keeps what finished
             checkpoints.save_atomically(lambda tmp: Path(tmp).write_text(render_markdown(report)), out / "stages.md")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("interrupted: the runs that finished are in stages.md", file=sys.stderr)
-        return 130
+        return 128 + err.args[0] if isinstance(err, Stopped) else 130
     finally:
         shutil.rmtree(out / "compile-cache", ignore_errors=True)
     print(render_markdown(report))

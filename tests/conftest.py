@@ -91,6 +91,26 @@ def run_script(*args, timeout=300, env=None):
                           text=True, timeout=timeout)
 
 
+def process_alive(pid):
+    """Whether process `pid` still runs, on Linux (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def processes_mentioning(text):
+    """The pids of the processes whose command line contains `text`, on Linux."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if process_alive(pid)]
+
+
 def run_with_fault(tmp_path, small_text, fault, *flags, script="00_orig.py", env=None):
     """Run a stage's main in a subprocess, --tiny on `small_text` into tmp_path/run, after the Python code `fault`
     has replaced some of its functions (the stage module is `stage`; torch and common are imported)."""

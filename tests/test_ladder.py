@@ -11,7 +11,11 @@ Rung 12 runs in the same function as rung 11 and is left out of it to keep the s
 import argparse
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,7 +24,7 @@ import torch.nn as nn
 
 import common
 from bench import ladder, report, rungs
-from conftest import run_script
+from conftest import ROOT, process_alive, run_script
 
 CPU = torch.device("cpu")
 FAILING_RUNG = 3  # made to fail on purpose in the end-to-end run
@@ -172,7 +176,7 @@ def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
 def test_a_missing_stage_script_is_a_failed_row(tmp_path, monkeypatch):
     monkeypatch.setitem(rungs.MULTI_PROCESS_RUNGS, 12, "03_not_written_yet.py")
     args = argparse.Namespace(tiny=True, batch_size=None)
-    row = ladder.run_multi_process_rung(12, args, {"device_type": "cpu", "gpu_count": 0}, tmp_path)
+    row = ladder.run_multi_process_rung(12, args, {"device_type": "cpu", "gpu_count": 0}, tmp_path, 60)
     assert row["rung"] == 12 and row["error"] == "03_not_written_yet.py does not exist (yet)"
     assert "does not exist" in (tmp_path / "rung-12.log").read_text()
     assert rungs.CHANGES[12] == "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py" and 12 in report.SHORT_NAMES
@@ -645,25 +649,33 @@ class FakeClock:
         return getattr(time, name)
 
 
-def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest(tmp_path, monkeypatch, capsys):
-    """Eager rungs take 60 s, compiled ones 150 s: with 400 s, rungs 0-2 (180 s), then rung 3 would end at 240 s,
-    4 at 300 s, 5 at 360 s; rung 6 at 420 s is not started, and the command for rungs 6-10 and the checks is printed.
-    Then --rungs none --check-scripts runs only the checks, against the rows already in the folder."""
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """run_ladder on a fake clock and a fake CPU, without a chart: the rungs and checks are the test's fakes."""
     clock = FakeClock()
     monkeypatch.setattr(ladder, "time", clock)
     monkeypatch.setattr(ladder, "describe_device", lambda args: {
         "device_type": "cpu", "description": "CPU (fake)", "name": "fake cpu", "slug": "fake-cpu", "gpu_count": 0,
         "cuda": None, "torch": torch.__version__, "python": "3.11"})
     monkeypatch.setattr(ladder.report, "plot_ladder", lambda report, path: None)
+    return clock
 
-    def fake_rung(number, args, logs):
+
+def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest(tmp_path, monkeypatch, capsys,
+                                                                                  fake_clock):
+    """Eager rungs take 60 s, compiled ones 150 s: with 400 s, rungs 0-2 (180 s), then rung 3 would end at 240 s,
+    4 at 300 s, 5 at 360 s; rung 6 at 420 s is not started, and the command for rungs 6-10 and the checks is printed.
+    Then --rungs none --check-scripts runs only the checks, against the rows already in the folder."""
+    clock = fake_clock
+
+    def fake_rung(number, args, logs, timeout, limit):
         clock.now += 150.0 if number >= 8 else 60.0
         return {"rung": number, "error": None, "tokens_per_sec": 1000.0 + number, "tokens_per_sec_min": 990.0,
                 "tokens_per_sec_max": 1010.0 + number, "batch_size": 4, "notes": []}
 
     checked = []
 
-    def fake_checks(args, device_info, logs, rows):
+    def fake_checks(args, device_info, logs, rows, deadline):
         clock.now += 210.0
         checked.append(sorted(row["rung"] for row in rows))
         return [{"script": "00_orig.py", "rung": 0, "error": None, "tokens_per_sec": 990.0, "tokens_per_sec_min": 980.0,
@@ -687,3 +699,67 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
     assert "--time-limit: the rest" not in capsys.readouterr().out
     with pytest.raises(common.UsageError, match="--rungs none measures nothing"):
         ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "none"]))
+
+
+def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_the_next_part(
+        tmp_path, monkeypatch, capsys, fake_clock):
+    """Rung 2 hangs (a first compilation far longer than the eager rungs before it, say): it is given what is left of
+    --time-limit as its timeout, not --rung-timeout, so the part ends in order with the command for the rest, which
+    starts with rung 2. A rung that alone outlasts the limit, the first of its part, keeps its failed row instead, so
+    that the next command moves on."""
+    timeouts = []
+
+    def fake_rung(number, args, logs, timeout, limit):
+        timeouts.append((number, timeout, limit))
+        if number == 2:  # stopped by run_streaming at its timeout
+            fake_clock.now += timeout
+            return {"rung": number, **ladder.timed_out(timeout, limit)}
+        fake_clock.now += 60.0
+        return {"rung": number, "error": None, "tokens_per_sec": 1000.0, "tokens_per_sec_min": 990.0,
+                "tokens_per_sec_max": 1010.0, "batch_size": 4, "notes": []}
+
+    monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
+    out = tmp_path / "out"
+    flags = ["--tiny", "--time-limit", "400", "--out", str(out)]
+    assert ladder.main(["--rungs", "0-4", *flags]) == 0
+    assert timeouts == [(0, 400, "--time-limit"), (1, 340, "--time-limit"), (2, 280, "--time-limit")]
+    printed = capsys.readouterr().out
+    assert "rung 2 was stopped at the limit after 4:40" in printed
+    assert f"measure it with:\n  python bench/ladder.py --rungs 2-4 --tiny --time-limit 400 --out {out}" in printed
+    assert [row["rung"] for row in json.loads((out / "ladder.json").read_text())["rungs"]] == [0, 1]
+
+    fake_clock.now, timeouts[:] = 0.0, []
+    assert ladder.main(["--rungs", "2-4", *flags]) == common.EXIT_FAILED  # this part measured nothing
+    assert timeouts == [(2, 400, "--time-limit")]  # then rung 3 would end at 13:20: not started
+    rows = {row["rung"]: row for row in json.loads((out / "ladder.json").read_text())["rungs"]}
+    assert sorted(rows) == [0, 1, 2] and rows[2]["error"] == "timed out after 400 s (--time-limit)"
+    assert "timed_out" not in rows[2]
+    assert "--rungs 3-4 --tiny --time-limit 400" in capsys.readouterr().out
+
+    fake_clock.now, timeouts[:] = 0.0, []  # without --time-limit, --rung-timeout as before
+    assert ladder.main(["--rungs", "0", "--tiny", "--out", str(out)]) == 0
+    assert timeouts == [(0, 900, "--rung-timeout")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_run_does_not_outlive_a_ladder_killed_outright(tmp_path):
+    """A run leads its own session, so that the ladder can stop it with everything it started; a time limit that
+    kills the ladder's process group (SIGKILL, no handler runs) would then miss it, and it would go on holding the
+    GPU under the next command's measurements. The parent-death signal ends it with the ladder."""
+    program = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.ladder import run_streaming; "
+               f"run_streaming([sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); "
+               f"time.sleep(120)'], {str(tmp_path / 'run.log')!r}, 300)")
+    ladder_process = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    run_pid = int(ladder_process.stdout.readline())  # the run's line, as the ladder echoes it
+    try:
+        assert process_alive(run_pid)
+        ladder_process.kill()
+        ladder_process.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while process_alive(run_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_alive(run_pid), "the run outlived the ladder"
+    finally:
+        ladder_process.kill()
+        if process_alive(run_pid):
+            os.kill(run_pid, signal.SIGKILL)

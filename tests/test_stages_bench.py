@@ -1,13 +1,16 @@
 """bench/stages.py: the stages as a user runs them, with 01 compiled into an empty cache and then a warm one."""
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from argparse import Namespace
 
 import pytest
 
 from bench import stages
-from conftest import run_script
+from conftest import ROOT, processes_mentioning, run_script
 
 
 def test_01_cold_then_warm_compile_cache_and_the_tables(tmp_path):
@@ -52,3 +55,27 @@ def test_a_wrong_list_of_runs_is_refused_with_one_line(runs, message, tmp_path, 
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_the_run_in_progress_with_everything_it_started(tmp_path):
+    """A job queue's time limit sends SIGTERM: the run in progress leads its own session, so it is stopped by
+    bench/stages.py itself, which exits 143 with the runs that finished written; nothing goes on using the GPU."""
+    out = tmp_path / "stages"
+    process = subprocess.Popen([sys.executable, "bench/stages.py", "--tiny", "--runs", "00,02", "--out", str(out)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:  # the first log line of 00: it is training
+            if "Ep 1, Step" in line:
+                break
+        assert processes_mentioning(str(out / "runs" / "00")), "00 is not running"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 20
+        while processes_mentioning(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_mentioning(str(out)), "a run outlived bench/stages.py"
+        assert "interrupted: the runs that finished are in stages.md" in process.stderr.read()
+        assert not (out / "runs" / "02").exists()  # never started
+    finally:
+        process.kill()

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.ladder import parent_death_signal
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_ONE_PROCESS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 
@@ -54,7 +56,7 @@ def run_stage(script, *flags, out, env=None, torchrun=False, timeout=300, keep_c
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=parent_death_signal())  # ends with pytest, too
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         returncode = proc.returncode
