@@ -25,7 +25,7 @@ so a part that is stopped keeps the rungs it finished.
 Where a machine stops every command after a fixed time, --time-limit keeps a part inside it: a rung (or the
 --check-scripts runs) is not started when the rungs of its kind this part has run say it would end after the
 limit, and the part ends by printing the command that measures what is left (with --rungs none where only the
---check-scripts runs are).
+--check-scripts runs are). A run that outlasts that judgement is stopped at the limit and starts the next part.
 
 Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with
 --rungs none when the script checks ran; 1 when none was, 2 for a wrong command line or a part that does not
@@ -143,8 +143,9 @@ def build_parser():
                              "go to a folder of their own (-<option> appended)")
     parser.add_argument("--time-limit", type=common.whole_number(1), metavar="SECONDS",
                         help="start no rung (nor the --check-scripts runs) that would end more than SECONDS after "
-                             "the part began, judged by the rungs of its kind this part has run; the part then "
-                             "prints the command that measures the rest (default: no limit)")
+                             "the part began, judged by the rungs of its kind this part has run, and stop one that "
+                             "outlasts the judgement at the limit; the part then prints the command that measures "
+                             "the rest (default: no limit)")
     parser.add_argument("--rung-timeout", type=common.whole_number(1), metavar="SECONDS",
                         help="stop a rung that runs longer than this (default: 1800; 900 with --tiny)")
     # Internal worker modes: ladder.py starts itself with these, one fresh process per rung.
