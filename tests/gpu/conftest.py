@@ -10,6 +10,7 @@ measured to `report`, and the lines are printed together at the end of the run, 
 and whatever pytest's capture settings.
 """
 
+import contextlib
 import datetime
 
 import pytest
@@ -54,8 +55,19 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture
 def report(request):
-    """report(text): one line of the GPU report, printed at the end of the run."""
-    return request.config.stash.setdefault(MEASURED, []).append
+    """report(text): one line of the GPU report. Printed at once, past pytest's capture, so that a command stopped
+    at a time limit still shows what was measured before, and again with the others at the end of the run."""
+    lines = request.config.stash.setdefault(MEASURED, [])
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    terminal = request.config.pluginmanager.getplugin("terminalreporter")
+
+    def add(line):
+        lines.append(line)
+        if terminal is not None:
+            with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+                terminal.write_line(f"\nmeasured: {line}", flush=True)
+
+    return add
 
 
 @pytest.fixture(scope="session")

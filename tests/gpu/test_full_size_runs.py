@@ -177,9 +177,18 @@ def test_01_learns_like_00(run_00, run_01, report):  # budget: none (the runs' m
 
 
 def test_02_at_world_size_1_learns_like_01(run_01, run_02, report):  # budget: none (the runs' metrics)
-    compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), 0.005, report,
-                              "the same initial weights, batches and dropout seed: only CUDA's non-deterministic "
-                              "kernels differ")
+    # The same initial weights, batches, order and learning rate, but not the same dropout masks: 02's compiled graph
+    # is split at DDP's gradient buckets (the test above), and each piece draws its own seeds from the generator
+    # where 01's one graph draws once. After the first step (the log line of step 0) the two must agree closely;
+    # after STEPS steps, as two runs of one stage with other masks do: statistically. The CPU suite shows the exact
+    # math (tests/test_stage02_ddp.py: eager, the same masks, equal weights).
+    first_01, first_02 = (run.metrics()["log"][0]["val_loss"] for run in (run_01, run_02))
+    report(f"fidelity: validation loss after the first step: 01 {first_01:.4f}, 02 at world size 1 {first_02:.4f}: "
+           f"{first_02 / first_01 - 1:+.3%} (allowed: 0.5%)")
+    assert abs(first_02 / first_01 - 1) <= 0.005, "02 starts from other weights or batches than 01, or steps otherwise"
+    compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), 0.02, report,
+                              "other dropout masks (the graph split at DDP's buckets) make the runs agree "
+                              "statistically, as 00 and 01 do; the target is 0.5%, reported above")
 
 
 def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
