@@ -311,7 +311,9 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def describe_device(device):
+def describe_device(device, matmul_precision=True):
+    """The device in words; on CUDA with whether float32 matmuls use TF32 as this process set them (unless
+    `matmul_precision` is false: a description that holds for processes set otherwise)."""
     import platform
 
     import torch
@@ -321,7 +323,10 @@ def describe_device(device):
     if device.type != "cuda":
         return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, CUDA {torch.version.cuda})"
+    # as the stage set it (step 2): "high" or "medium" lets float32 matmuls use TF32, where the GPU has it
+    tf32 = "TF32 on" if torch.get_float32_matmul_precision() != "highest" and major >= 8 else "no TF32"
+    return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, CUDA {torch.version.cuda}"
+            + (f", {tf32} for float32 matmuls)" if matmul_precision else ")"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def describe_device_main(args):
         "device_type": device.type,
         "name": name,
         "slug": device_slug,
-        "description": common.describe_device(device),
+        "description": common.describe_device(device, matmul_precision=False),  # each rung sets its own
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
         "torch": torch.__version__,

@@ -53,6 +53,20 @@ def test_gpus_get_the_reduced_precision_their_tensor_cores_have(monkeypatch, cap
     assert common.has_tf32(device) == (capability[0] >= 8)
 
 
+@pytest.mark.parametrize("capability, matmul_precision, words", [
+    ((9, 0), "high", "TF32 on for float32 matmuls"),      # 01 to 03 on an H100
+    ((9, 0), "highest", "no TF32 for float32 matmuls"),   # 00 (the book: full float32)
+    ((7, 0), "high", "no TF32 for float32 matmuls"),      # 01 on a V100: the setting has nothing to switch on
+])
+def test_the_headers_device_says_whether_float32_matmuls_use_tf32(monkeypatch, capability, matmul_precision, words):
+    device = fake_gpu(monkeypatch, capability)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: matmul_precision)
+    described = common.describe_device(device)
+    assert described.startswith(f"NVIDIA H100 80GB HBM3 (compute capability {capability[0]}.{capability[1]}, CUDA ")
+    assert described.endswith(f", {words})")
+    assert common.describe_device(device, matmul_precision=False).endswith(f"CUDA {torch.version.cuda})")  # the ladder's
+
+
 def test_cpus_autocast_to_bf16_and_mps_depends_on_macos(monkeypatch):
     assert common.autocast_precision(torch.device("cpu"))[0] == "bf16"
     monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: True)
