@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/gpu
 
-Budget on one H100: 8 minutes at most; the estimates in the tests' comments add up to about 6.5.
+Budget on one H100: 8 minutes at most; the estimates in the tests' comments add up to about 7.5.
 
 It runs on its own: the CPU suite (python -m pytest -q tests) hides the GPU and leaves this folder out. Without a
 GPU every test is skipped, with the reason on one line, and pytest exits 0. With one, each test hands what it

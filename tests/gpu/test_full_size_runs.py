@@ -1,12 +1,12 @@
-"""The three stages at full size on one GPU: speed, memory, compilation and fidelity, from three shared runs.
+"""The four stages at full size on one GPU: speed, memory, compilation and fidelity, from four shared runs.
 
-Stages 00, 01 and 02 (under torchrun, one process, NCCL) each train once on the shipped Shakespeare: STEPS steps of
-BATCH sequences of 1,024 tokens from the same seed. The batch is 00's, so that the three see the same tokens in the
-same order and are evaluated on the same validation batches: their losses compare directly. Every evaluation covers
-the whole validation split, whose last batch is short (01 and 02 pad it). The GPU report gives the throughput at
-this batch; bench/ladder.py measures each stage at its own.
+Stages 00, 01, 02 and 03 (both under torchrun, one process, NCCL) each train once on the shipped Shakespeare: STEPS
+steps of BATCH sequences of 1,024 tokens from the same seed. The batch is 00's, so that the four see the same tokens
+in the same order and are evaluated on the same validation batches: their losses compare directly. Every evaluation
+covers the whole validation split, whose last batch is short (01 to 03 pad it). The GPU report gives the throughput
+at this batch; bench/ladder.py measures each stage at its own.
 
-Budget on one H100: about 5 minutes for this file: the three runs (their fixtures give each one's share) and a
+Budget on one H100: about 6 minutes for this file: the four runs (their fixtures give each one's share) and a
 --tiny run; the checks themselves take no time.
 """
 
@@ -49,6 +49,13 @@ def run_01(shared_flags, tmp_path_factory):
 def run_02(shared_flags, tmp_path_factory):
     # budget: ~100 s: as 01, plus torchrun and NCCL start-up and one compilation per DDP bucket
     return run_stage("02_opt_multi_gpu_ddp.py", *shared_flags, out=tmp_path_factory.mktemp("run_02"), torchrun=True,
+                     env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def run_03(shared_flags, tmp_path_factory):
+    # budget: ~70 s: as 02, but one compiled block serves all twelve (faster to compile), and a sharded checkpoint
+    return run_stage("03_opt_multi_gpu_fsdp.py", *shared_flags, out=tmp_path_factory.mktemp("run_03"), torchrun=True,
                      env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=420)
 
 
@@ -115,7 +122,14 @@ def test_02_trains_at_full_size_under_torchrun(run_02, report):  # budget: run_0
     assert "Weight checksums of the 1 ranks: identical" in run_02.stdout, run_02.describe()
 
 
-@pytest.mark.parametrize("stage", ["01", "02"])
+def test_03_trains_at_full_size_under_torchrun_with_fsdp2(run_03, report):  # budget: run_03's
+    metrics = check_full_size_run(run_03, "03 (torchrun, 1 process, NCCL, FSDP2)", report)
+    assert metrics["world_size"] == 1 and "world size: 1" in run_03.stdout, run_03.describe()
+    breaks = torch_log(run_03.stderr, "graph_breaks", "Graph break in user code")
+    assert not breaks, "TORCH_LOGS=graph_breaks:\n" + "\n".join(breaks[:60]) + run_03.describe()
+
+
+@pytest.mark.parametrize("stage", ["01", "02", "03"])
 def test_compiled_once_no_recompiles_for_evaluation_padding_or_sample(stage, request, validation_windows, report):
     # budget: none of its own (run_01's and run_02's logs)
     run = request.getfixturevalue(f"run_{stage}")
@@ -189,6 +203,12 @@ def test_02_at_world_size_1_learns_like_01(run_01, run_02, report):  # budget: n
     compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), 0.02, report,
                               "other dropout masks (the graph split at DDP's buckets) make the runs agree "
                               "statistically, as 00 and 01 do; the target is 0.5%, reported above")
+
+
+def test_03_at_world_size_1_learns_like_02(run_02, run_03, report):  # budget: none (the runs' metrics)
+    compare_validation_losses(run_02, run_03, ("02 at world size 1", "03 at world size 1"), 0.02, report,
+                              "03 gathers its weights in bf16 and compiles block by block (other dropout draws): "
+                              "the runs agree statistically")
 
 
 def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
