@@ -841,11 +841,13 @@ def run_ladder(args):
         if not checks_left:
             try:
                 rows_so_far = report.merge(existing, part)["rungs"]  # the folder's too (--rungs none)
+                checks_start = time.monotonic()
                 checks = run_script_checks(args, device_info, logs, rows_so_far, deadline)
                 if any([cut_at_the_limit(check) for check in checks]) and rows:
                     checks_left = True  # a part of their own, which gives them the whole limit
-                    print(f"--time-limit {args.time_limit} s: the --check-scripts runs were stopped at the limit: "
-                          "not kept", flush=True)
+                    print(f"--time-limit {args.time_limit} s: the --check-scripts runs were stopped at the limit "
+                          f"after {format_duration(time.monotonic() - checks_start)}, longer than judged: not kept; "
+                          "they make the next part", flush=True)
                 else:
                     part["script_checks"] = checks
             except KeyboardInterrupt as err:

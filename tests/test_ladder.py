@@ -740,6 +740,19 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert ladder.main(["--rungs", "0", "--tiny", "--out", str(out)]) == 0
     assert timeouts == [(0, 900, "--rung-timeout")]
 
+    def hanging_checks(args, device_info, logs, rows, deadline):  # the script checks outlast their judgement too
+        timeout, limit = ladder.run_timeout(args, deadline)
+        fake_clock.now += timeout
+        return [{"script": "00_orig.py", "rung": 0, **ladder.timed_out(timeout, limit)}]
+
+    monkeypatch.setattr(ladder, "run_script_checks", hanging_checks)
+    fake_clock.now = 0.0
+    assert ladder.main(["--rungs", "0", "--check-scripts", *flags]) == 0
+    printed = capsys.readouterr().out
+    assert "the --check-scripts runs were stopped at the limit after 5:40" in printed
+    assert "measure it with:\n  python bench/ladder.py --rungs none --check-scripts --tiny --time-limit 400" in printed
+    assert "script_checks" not in json.loads((out / "ladder.json").read_text())
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_run_does_not_outlive_a_ladder_killed_outright(tmp_path):
