@@ -76,13 +76,12 @@ class RunInspection:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             torch.cuda.reset_peak_memory_stats(device)
             self.snapshot = device
-            self.snapshot_recorded = 0  # steps done since the recording began
-            self.snapshot_steps = range(first_step, first_step + SNAPSHOT_STEPS)
+            self.snapshot_recorded = 0  # steps done since the recording began; it stops after SNAPSHOT_STEPS
 
     def off_clock(self, step):
         """Whether step `step` (0-based) is profiled or recorded for the snapshot, and so left off the clock."""
         return ((self.profiler is not None and step in self.profiled_steps)
-                or (self.snapshot is not None and step in self.snapshot_steps))
+                or self.snapshot is not None)  # still recording
 
     def region(self, name):
         """A labelled region of a step in the trace (nothing at all when not profiling)."""
@@ -129,9 +128,10 @@ class RunInspection:
         torch.cuda.memory._record_memory_history(enabled=None)
         self.snapshot = None
         steps = self.snapshot_recorded
+        allocated, reserved = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
         print(f"Memory snapshot of the first {steps} step{'s' if steps != 1 else ''}: {path} (drop it on "
-              f"https://pytorch.org/memory_viz) | peak over them: {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB allocated, "
-              f"{torch.cuda.max_memory_reserved(device) / 1024**3:.2f} GiB reserved", flush=True)
+              f"https://pytorch.org/memory_viz) | peak over them: {allocated / 1024**3:.2f} GiB allocated, "
+              f"{reserved / 1024**3:.2f} GiB reserved", flush=True)
 
     def finish(self):
         """At the end of training: the memory snapshot of a run shorter than SNAPSHOT_STEPS (what it recorded), and

@@ -418,8 +418,8 @@ def failure_from_output(code, tail, timeout, limit="--rung-timeout"):
 
 
 def timed_out(timeout, limit):
-    """The row of a run stopped at its timeout; `limit` names the flag that set it."""
-    return {"error": failure_from_output(None, [], timeout, limit), "timed_out": True}
+    """The row of a run stopped at its timeout; `limit` names the flag that set it (kept until cut_at_the_limit)."""
+    return {"error": failure_from_output(None, [], timeout, limit), "timed_out": limit}
 
 
 def run_single_process_rung(number, args, logs, timeout, limit="--rung-timeout"):
@@ -652,7 +652,7 @@ def run_timeout(args, deadline):
 
 def cut_at_the_limit(result):
     """Whether a run (a rung's row, a script check) was stopped at --time-limit's deadline."""
-    return bool(result.pop("timed_out", None)) and result["error"].endswith("(--time-limit)")
+    return result.pop("timed_out", None) == "--time-limit"
 
 
 def rungs_named(numbers):
