@@ -64,7 +64,9 @@ OPTIONS = {
     "coordinate-descent": "torch._inductor.config.coordinate_descent_tuning = True: Inductor tunes the block "
                           "sizes of its own kernels (the loss's and the norms' reductions) one step at a time",
     "cudnn-attention": "SDPA on cuDNN's attention kernels only (torch.backends.cuda: flash, memory-efficient and "
-                       "math off): NVIDIA's own FlashAttention for Hopper instead of PyTorch's",
+                       "math off): NVIDIA's own FlashAttention for Hopper instead of PyTorch's. 01 turns it off "
+                       "because it rounds dropout to a multiple of 1/16 (the rows train at another rate than 0.1; "
+                       "PyTorch 2.12 and newer refuse it at 0.1, and the rungs fail)",
     "memory-budget": f"torch._functorch.config.activation_memory_budget = {MEMORY_BUDGET}: the compiled step saves "
                      "less for its backward and recomputes the norms, GELU and the residual stream there "
                      "(bench/memory_model.py shows what it saves)",
@@ -285,6 +287,9 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
         notes.append("no effect here: pinning and non_blocking copies need CUDA")
     if number == 5:
         notes.append(f"{autocast_precision}: {reason}" if autocasts else f"no effect here: {reason}")
+    # Step 7's backend, as 01's main() sets it: FlashAttention, cuDNN's attention off (--option cudnn-attention
+    # measures it instead). Rungs 0-6 do not call SDPA.
+    torch.backends.cuda.enable_cudnn_sdp("cudnn-attention" in options)
 
     # The model. From rung 7 on every model part is 01's, so 01's GPTModel itself is used;
     # before that, stage 00's GPTModel with its module globals swapped for the steps taken so far

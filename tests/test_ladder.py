@@ -398,6 +398,21 @@ def test_options_switch_on_what_they_name_and_nothing_else():
                                      "memory-budget"]
 
 
+def test_rungs_keep_cudnns_attention_off_as_the_stages_do_unless_the_option_measures_it():
+    """01's main() turns cuDNN's attention off (step 7: it rounds dropout to a multiple of 1/16); the composed rungs
+    must attend with the same kernel as 01, and --option cudnn-attention with cuDNN's alone."""
+    backends = torch.backends.cuda
+    saved = backends.cudnn_sdp_enabled()
+    try:
+        backends.enable_cudnn_sdp(True)
+        rungs.compose(7, CPU, tiny=True)
+        assert not backends.cudnn_sdp_enabled()
+        rungs.compose(7, CPU, tiny=True, options=("cudnn-attention",))
+        assert backends.cudnn_sdp_enabled()
+    finally:
+        backends.enable_cudnn_sdp(saved)
+
+
 def test_the_chunked_loss_option_replaces_01s_loss_from_rung_4_and_trains_the_same():
     """compose() swaps bench/chunked_loss.py's forward_and_loss in where the rung's loss is 01's: one training step
     then gives the same loss and the same gradients as the rung without the option (float32 on the CPU)."""

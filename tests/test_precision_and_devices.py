@@ -345,8 +345,9 @@ def test_the_tests_and_every_process_they_start_see_no_gpu():
     assert result.stdout.split() == ["''", "False", "cpu"]
 
 
-# Dynamo's logs as the GPU tier meets them: a compiled module inside DDP (split at its buckets), a graph break
-# and a recompile. The "eager" backend logs the same without compiling anything.
+# Dynamo's logs as the GPU tier meets them: a compiled module inside DDP (split at its buckets), a graph break,
+# a recompile, and the attention op AOTAutograd traced. The "eager" and "aot_eager" backends log the same without
+# compiling anything.
 TORCH_LOG_PROBE = """
 import os, torch, torch.distributed as dist
 import common
@@ -363,12 +364,19 @@ def with_a_break(x):
 
 with_a_break(torch.randn(3))
 with_a_break(torch.randn(3, 2))  # another number of dimensions: a recompile
+
+@torch.compile(backend="aot_eager")
+def attention(q):
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+
+attention(torch.randn(1, 2, 16, 8, requires_grad=True)).backward()  # on the CPU: its flash kernel, forward and backward
 dist.destroy_process_group()
 """
 
 
 def test_the_gpu_tiers_readers_understand_dynamos_logs():
-    result = run_script("-c", TORCH_LOG_PROBE, env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=180)
+    result = run_script("-c", TORCH_LOG_PROBE, env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo,aot_graphs"},
+                        timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     frames = stage_runs.traced_frames(result.stderr)
     names = {name for _, _, name in frames}
@@ -377,6 +385,8 @@ def test_the_gpu_tiers_readers_understand_dynamos_logs():
     assert stage_runs.torch_log(result.stderr, "graph_breaks", "Graph break in user code")
     assert stage_runs.torch_log(result.stderr, "recompiles", "Recompiling function")
     assert stage_runs.ddp_bucket_splits(result.stderr) == [3]
+    assert stage_runs.attention_ops(result.stderr) == ["_scaled_dot_product_flash_attention_for_cpu",
+                                                      "_scaled_dot_product_flash_attention_for_cpu_backward"]
 
 
 def test_the_gpu_tiers_readers_understand_a_stages_output(tmp_path, small_text):

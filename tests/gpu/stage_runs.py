@@ -114,6 +114,16 @@ def torch_log(stderr, artifact, phrase):
     return [line for line in stderr.splitlines() if f"[__{artifact}]" in line or phrase in line]
 
 
+ATTENTION_OP = re.compile(r"torch\.ops\.aten\.(_scaled_dot_product_\w+)\.default")
+
+
+def attention_ops(stderr):
+    """The SDPA kernels' aten ops (`_scaled_dot_product_flash_attention`, its `_backward`, ...) in the graphs that
+    AOTAutograd traced (TORCH_LOGS=aot_graphs): which attention backend the compiled steps run, chosen at trace time."""
+    return sorted({name for line in torch_log(stderr, "aot_graphs", "torch.ops.aten._scaled_dot_product")
+                   for name in ATTENTION_OP.findall(line)})
+
+
 def ddp_bucket_splits(stderr):
     """The number of buckets (one compiled graph each) for every graph DDPOptimizer split (TORCH_LOGS=dynamo)."""
     return [int(buckets) for _, buckets in DDP_SPLIT.findall(stderr)]

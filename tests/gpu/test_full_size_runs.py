@@ -17,6 +17,7 @@ import torch
 
 import common
 import conftest as suite  # tests/conftest.py
+from gpu import stage_runs
 from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
 
 BATCH = 8  # 00's own batch: larger ones do not fit its float32 attention matrices
@@ -42,21 +43,21 @@ def run_00(shared_flags, tmp_path_factory):
 def run_01(shared_flags, tmp_path_factory):
     # budget: ~90 s: compiling the training and evaluation graphs ~60 s (cold caches), 160 steps at ~0.04 s
     return run_stage("01_opt_single_gpu.py", *shared_flags, out=tmp_path_factory.mktemp("run_01"),
-                     env={"TORCH_LOGS": "recompiles,dynamo"}, timeout=360)
+                     env={"TORCH_LOGS": "recompiles,dynamo,aot_graphs"}, timeout=360)
 
 
 @pytest.fixture(scope="module")
 def run_02(shared_flags, tmp_path_factory):
     # budget: ~100 s: as 01, plus torchrun and NCCL start-up and one compilation per DDP bucket
     return run_stage("02_opt_multi_gpu_ddp.py", *shared_flags, out=tmp_path_factory.mktemp("run_02"), torchrun=True,
-                     env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=420)
+                     env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo,aot_graphs"}, timeout=420)
 
 
 @pytest.fixture(scope="module")
 def run_03(shared_flags, tmp_path_factory):
     # budget: ~70 s: as 02, but one compiled block serves all twelve (faster to compile), and a sharded checkpoint
     return run_stage("03_opt_multi_gpu_fsdp.py", *shared_flags, out=tmp_path_factory.mktemp("run_03"), torchrun=True,
-                     env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo"}, timeout=420)
+                     env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo,aot_graphs"}, timeout=420)
 
 
 def shown(value, spec):
@@ -145,6 +146,23 @@ def test_compiled_once_no_recompiles_for_evaluation_padding_or_sample(stage, req
     assert not recompiles, "TORCH_LOGS=recompiles:\n" + "\n".join(recompiles[:40]) + run.describe()
     assert all(attempt in (0, None) for _, attempt, _ in frames), f"frames traced more than once: {frames}"
     assert SAMPLE_PROMPT in run.stdout, run.describe()
+
+
+@pytest.mark.parametrize("stage", ["01", "02", "03"])
+def test_compiled_steps_attend_with_flashattention_not_cudnn(stage, request, report):
+    """Step 7 turns cuDNN's attention off (it rounds the dropout of 0.1 to a multiple of 1/16; see
+    test_attention_kernels.py): the graphs torch.compile traced must call FlashAttention's kernels, forward and
+    backward, and no other attention kernel. SDPA picks its kernel while the graph is traced, so the graphs say
+    which one every step runs."""
+    # budget: none of its own (run_01's, run_02's and run_03's logs)
+    run = request.getfixturevalue(f"run_{stage}")
+    ops = stage_runs.attention_ops(run.stderr)
+    report(f"{stage}: attention ops in the compiled graphs: {ops or 'none logged'}")
+    assert run.returncode == 0, run.describe()
+    assert ops, ("no SDPA op in TORCH_LOGS=aot_graphs' output: PyTorch 2.11 logs no graph it takes from the "
+                 "compile cache (tests/gpu/conftest.py gives the tier an empty cache)" + run.describe())
+    assert ops == ["_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"], (
+        f"the compiled steps attend with {ops}, not FlashAttention alone")
 
 
 def test_02_compiles_one_graph_per_ddp_bucket_without_graph_breaks(run_02, report):  # budget: none (run_02's log)
