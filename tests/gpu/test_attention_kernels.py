@@ -30,15 +30,21 @@ def backend_name(choice):
     return next(name for name, member in SDPBackend.__members__.items() if int(member) == choice)
 
 
-def training_inputs(fill):
-    """q, k, v of one training call at 01's shapes (bf16, as under autocast, with gradients)."""
-    shape = (BATCH, HEADS, TOKENS, HEAD_DIM)
-    return [fill(shape).to(device=DEVICE, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+def training_inputs(qkv):
+    """(q, k, v, their leaf) of one training call laid out as 01's attention makes them: one (batch, tokens,
+    3 x width) projection split into heads, (batch, heads, tokens, head_dim) views of it, in bf16 as under autocast."""
+    qkv = qkv.to(device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    heads = [part.view(BATCH, TOKENS, HEADS, HEAD_DIM).transpose(1, 2) for part in qkv.chunk(3, dim=-1)]
+    return (*heads, qkv)
+
+
+def random_projection():
+    return torch.randn(BATCH, TOKENS, 3 * HEADS * HEAD_DIM)
 
 
 def sdpa_choice(backends, dropout):
     """The backend SDPA's own dispatch takes for a training call, with only `backends` switched on."""
-    q, k, v = training_inputs(torch.randn)
+    q, k, v, _ = training_inputs(random_projection())
     with sdpa_kernel(backends):
         return backend_name(torch._fused_sdp_choice(q, k, v, None, dropout, True))
 
@@ -50,10 +56,9 @@ def applied_dropout(backend):
     the values are one-hot in channel j mod 64, so among the first 64 tokens each weight lands in a channel of its
     own. A dropped weight is an exact 0 there, and a kept one is 1 / ((i + 1) (1 - p)) for the p the kernel uses
     to scale: 800,000 weights in all, enough to tell 0.1 from 1/16 or 2/16 by far."""
-    q, k, _ = training_inputs(torch.zeros)
-    channels = torch.arange(TOKENS) % HEAD_DIM
-    values = F.one_hot(channels, HEAD_DIM).expand(BATCH, HEADS, TOKENS, HEAD_DIM).contiguous()
-    v = values.to(device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    one_hot = F.one_hot(torch.arange(TOKENS) % HEAD_DIM, HEAD_DIM).float()  # (tokens, head_dim)
+    values = one_hot.repeat(1, HEADS).expand(BATCH, TOKENS, HEADS * HEAD_DIM)  # the same in every head
+    q, k, v, _ = training_inputs(torch.cat([torch.zeros(BATCH, TOKENS, 2 * HEADS * HEAD_DIM), values], dim=-1))
     with sdpa_kernel([backend]):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)
     causal = torch.tril(torch.ones(HEAD_DIM, HEAD_DIM, dtype=torch.bool, device=DEVICE))
@@ -65,7 +70,7 @@ def applied_dropout(backend):
 
 def milliseconds_per_training_call(backend, dropout, repeats=10):
     """Median time of one forward and backward of SDPA on `backend`, after warm-up, read with CUDA events."""
-    q, k, v = training_inputs(torch.randn)
+    q, k, v, qkv = training_inputs(random_projection())
     grad = torch.randn_like(q)
     times = []
     with sdpa_kernel([backend]):
@@ -73,7 +78,7 @@ def milliseconds_per_training_call(backend, dropout, repeats=10):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-            torch.autograd.grad(out, (q, k, v), grad)
+            torch.autograd.grad(out, qkv, grad)
             end.record()
             torch.cuda.synchronize()
             if attempt >= 3:
