@@ -1,5 +1,5 @@
 """Every reader's machine: step 5's precision by hardware (bf16, float16 + GradScaler, float32), Apple's MPS with
-its fallbacks, and the MFU peak table.
+its fallbacks, the MFU peak table, and step 7's attention kernel on Hopper GPUs.
 
 No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test hook TEST_FORCE_PRECISION (autocast
 float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
@@ -330,6 +330,32 @@ def test_pick_device_checks_the_build_for_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
     with pytest.raises(common.UsageError, match="no kernels for the Tesla V100"):
         common.pick_device("auto")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 7: the attention kernel on a Hopper GPU
+# ---------------------------------------------------------------------------------------------
+
+# A stage run in-process (runpy, as `python SCRIPT` runs it), then the SDPA setting it left behind
+SDPA_SETTING_PROBE = """
+import runpy, sys, torch
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as stop:
+    assert not stop.code, f"the stage exited with {stop.code}"
+print("cuDNN attention on:", torch.backends.cuda.cudnn_sdp_enabled())
+"""
+
+
+@pytest.mark.parametrize("script", ["01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py", "03_opt_multi_gpu_fsdp.py"])
+def test_the_stages_train_with_cudnns_attention_off(script, small_text, tmp_path):
+    """cuDNN's attention, which PyTorch 2.11 tries first on Hopper, rounds dropout to a multiple of 1/16: the stages
+    turn it off, so that SDPA takes FlashAttention at the book's 0.1 (the GPU tier checks the kernel itself)."""
+    result = run_script("-c", SDPA_SETTING_PROBE, script, "--tiny", "--data", small_text, "--max-steps", 1,
+                        "--no-compile", "--out", tmp_path / "run", timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "cuDNN attention on: False" in result.stdout, result.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
