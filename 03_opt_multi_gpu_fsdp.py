@@ -459,8 +459,8 @@ def main():
     # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
     # none). From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
     torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
-    # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), which rounds
-    # dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (newer PyTorch avoids it)
+    # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
+    # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
     torch.backends.cuda.enable_cudnn_sdp(False)
     precision, precision_reason = common.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
     heartbeat = common.Heartbeat()

@@ -17,12 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BATCH, HEADS, TOKENS, HEAD_DIM = 32, 12, 1024, 64  # 01 at its default batch: GPT-2 small's 12 heads of 64
-DROPOUT = 0.1  # GPT_CONFIG_124M's drop_rate, which 01's attention passes to SDPA in training
+from conftest import load_stage
+
+STAGE_01 = load_stage("01_opt_single_gpu.py")
+CONFIG = STAGE_01.GPT_CONFIG_124M
+BATCH, TOKENS, HEADS = STAGE_01.OTHER_SETTINGS["batch_size"], CONFIG["context_length"], CONFIG["n_heads"]
+HEAD_DIM = CONFIG["emb_dim"] // HEADS  # 01 at its default batch: GPT-2 small's 12 heads of 64
+DROPOUT = CONFIG["drop_rate"]  # what 01's attention passes to SDPA in training: 0.1
 ALL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                 SDPBackend.MATH]
 STAGE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # cuDNN's off
-LAYERS = 12  # GPT-2 small: one such call per layer and step
+LAYERS = CONFIG["n_layers"]  # one such call per layer and step
 DEVICE = "cuda"
 
 
