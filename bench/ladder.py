@@ -36,6 +36,7 @@ to check that a failure is reported on its row while the other rungs still run.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -332,18 +333,44 @@ def parent_death_signal():
     return set_signal
 
 
-def stop_process_group(process):
-    """End a child we started and everything it started (it leads its own session)."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+def descendants(pid):
+    """The pids of every process below `pid`, read from Linux's /proc (empty elsewhere). A launcher may start its
+    children in sessions of their own (torchrun does), where a signal to the launcher's group does not reach them."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command name)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not a process's
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        below = children.get(queue.pop(), [])
+        found += below
+        queue += below
+    return found
+
+
+def stop_process_group(process, grace=10):
+    """End a child we started and everything it started: SIGTERM to its group first (a stage saves its checkpoint,
+    torchrun passes the signal on to its workers), then, after `grace` seconds or once it has ended, SIGKILL to
+    whatever is left of the group and of the processes below it, torchrun's workers included (they lead sessions of
+    their own, out of reach of a signal to the group)."""
+    below = set(descendants(process.pid))  # before any signal: a dead parent's children are no longer below it
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        below |= set(descendants(process.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for pid in below:  # a worker left running after its launcher would hold the GPU under the next run
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
 
 
 def run_streaming(command, log_path, timeout, echo_prefix="    ", env=None):

@@ -769,6 +769,33 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert "script_checks" not in json.loads((out / "ladder.json").read_text())
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process tree is read from Linux's /proc")
+def test_stopping_a_run_stops_the_workers_its_launcher_started_in_sessions_of_their_own():
+    """torchrun starts each worker in a session of its own, out of reach of a signal to torchrun's group: a rung or a
+    GPU-tier run stopped at its timeout must not leave a worker behind on the GPU (nor keep the pipes of its output
+    open, which would hang the caller reading them). Here neither the launcher nor its worker ends on SIGTERM."""
+    worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    launcher = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"worker = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
+                "print(worker.pid, flush=True); time.sleep(120)")
+    process = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    worker_pid = int(process.stdout.readline())
+    try:
+        assert ladder.descendants(process.pid) == [worker_pid]
+        started = time.monotonic()
+        ladder.stop_process_group(process, grace=0.5)
+        assert process.poll() is not None and time.monotonic() - started < 5
+        deadline = time.monotonic() + 5
+        while process_alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_alive(worker_pid), "the worker outlived the stopped launcher"
+    finally:
+        process.kill()
+        if process_alive(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_run_does_not_outlive_a_ladder_killed_outright(tmp_path):
     """A run leads its own session, so that the ladder can stop it with everything it started; a time limit that

@@ -11,14 +11,13 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.ladder import parent_death_signal
+from bench.ladder import parent_death_signal, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_ONE_PROCESS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -61,7 +60,7 @@ def run_stage(script, *flags, out, env=None, torchrun=False, timeout=300, keep_c
         stdout, stderr = proc.communicate(timeout=timeout)
         returncode = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
+        stop_process_group(proc)  # torchrun's workers too, which lead sessions of their own and hold the pipes
         stdout, stderr = proc.communicate()
         returncode = None
     if not keep_checkpoint:

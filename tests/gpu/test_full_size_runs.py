@@ -6,7 +6,7 @@ in the same order and are evaluated on the same validation batches: their losses
 covers the whole validation split, whose last batch is short (01 to 03 pad it). The GPU report gives the throughput
 at this batch; bench/ladder.py measures each stage at its own.
 
-Budget on one H100: about 6 minutes for this file: the four runs (their fixtures give each one's share) and a
+Budget on one H100: about 6 minutes 15 s for this file: the four runs (their fixtures give each one's share) and a
 --tiny run; the checks themselves take no time.
 """
 
@@ -79,7 +79,8 @@ def check_full_size_run(run, label, report):
     logged_steps = sorted({*range(0, STEPS, EVAL_FREQ), STEPS - 1})  # every EVAL_FREQ steps, and the last
     assert [entry["step"] for entry in entries] == logged_steps, f"log lines: {entries}" + run.describe()
     assert all(entry["step_tok_per_sec"] for entry in entries), "a log line without Step tok/sec" + run.describe()
-    assert all(entry["mfu"] for entry in entries), (
+    # not "truthy": the first interval of 01, 02 and 03 holds the compilation and prints "MFU: 0.0%"
+    assert all(entry["mfu"] is not None for entry in entries), (
         "log lines without MFU: the header's 'MFU' line says why (is this GPU in common.PEAK_TFLOPS?)" + run.describe())
     assert "reserved" in memory, "no 'Reserved memory: ... GB' line after the epoch" + run.describe()
     assert SAMPLE_PROMPT in run.stdout, "no sample after the epoch" + run.describe()

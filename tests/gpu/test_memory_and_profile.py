@@ -1,7 +1,7 @@
 """Memory and profiling on the GPU: no float32 logits in a compiled step, --memory-snapshot, the --profile table
 and its GPU time by class of work.
 
-Budget on one H100: about 2 minutes for this file.
+Budget on one H100: about 1 minute 40 s for this file.
 """
 
 import pickle
@@ -14,10 +14,7 @@ import torch
 from conftest import load_stage
 from gpu.stage_runs import ROOT, gpu_time_shares, profile_rows, run_stage
 
-try:
-    from inspection import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
-except ImportError:  # RunInspection still in common.py
-    from common import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
+from inspection import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
 
 GB = 1024**3
 REGION_LABELS = ("forward with loss", "backward", "optimizer step")  # the stages' labels in the trace
@@ -40,6 +37,12 @@ def allocations_during(step):
     largest = max((event["size"] for trace in history["device_traces"] for event in trace
                    if event["action"] == "alloc"), default=0)
     return peak_increase, largest
+
+
+def set_backends_as_stage01_does():
+    """What 01's main() sets before it builds the model, for the tests that call its functions in this process."""
+    torch.set_float32_matmul_precision("high")  # step 2: TF32
+    torch.backends.cuda.enable_cudnn_sdp(False)  # step 7: FlashAttention, not cuDNN's attention
 
 
 def compiled_steps_of_stage01(stage, cfg, batch):
@@ -70,7 +73,7 @@ def test_no_compiled_step_allocates_the_float32_logits(report):
     # budget: ~30 s. Two layers at full width, vocabulary and context, batch 8 (the shapes, and so the kernels, of
     # the full-size runs): compiled in seconds. The logits, the tensor in question, do not depend on the depth.
     stage = load_stage("01_opt_single_gpu.py")
-    torch.set_float32_matmul_precision("high")  # as stage 01 sets it (step 2)
+    set_backends_as_stage01_does()
     cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2}
     batch, context = 8, cfg["context_length"]
     float32_logits = batch * context * cfg["vocab_size"] * 4
@@ -94,7 +97,7 @@ def head_training_step(stage, batch):
     """(peak increase, largest allocation, loss, the head's weight gradient) of a compiled training step of `stage`'s
     model with two layers and no dropout, measured on the step after the one that compiles."""
     device = torch.device("cuda")
-    torch.set_float32_matmul_precision("high")  # as stage 01 sets it (step 2)
+    set_backends_as_stage01_does()
     cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2, "drop_rate": 0.0}  # no dropout: the same math in every copy
     torch.manual_seed(0)
     model = stage.GPTModel(cfg).to(device)
@@ -142,11 +145,21 @@ def test_the_chunked_loss_keeps_01s_math_and_drops_its_logits(report):
     assert peak < peak_01 - bf16_logits / 4, (peak, peak_01)  # the model says three quarters of the logits less
 
 
-def test_memory_snapshot_loads_and_its_steps_are_off_the_clock(tmp_path, report):
-    # budget: ~25 s: stage 00 (nothing to compile), 8 steps of batch 8 at full size, a 2 GB checkpoint
-    run = run_stage("00_orig.py", "--batch-size", 8, "--max-steps", 8, "--eval-freq", 4, "--eval-iter", 2,
-                    "--memory-snapshot", out=tmp_path, timeout=240)
-    path = tmp_path / "memory_snapshot.pickle"
+@pytest.fixture(scope="module")
+def run_00_inspected(tmp_path_factory):
+    # budget: ~30 s: stage 00 (nothing to compile), the fewest steps --profile accepts (9 today) at batch 8, full
+    # size, a 2 GB checkpoint. One run serves both flags: the snapshot records the first steps, the profile later ones.
+    steps = PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
+    assert SNAPSHOT_STEPS <= PROFILE_WAIT, "the snapshot's steps would fall into the profiled ones"
+    out = tmp_path_factory.mktemp("00-inspected")
+    return run_stage("00_orig.py", "--batch-size", 8, "--max-steps", steps, "--eval-freq", 100, "--eval-iter", 1,
+                     "--memory-snapshot", "--profile", out=out, timeout=240)
+
+
+def test_memory_snapshot_loads_and_its_steps_are_off_the_clock(run_00_inspected, report):
+    # budget: run_00_inspected's
+    run = run_00_inspected
+    path = run.out / "memory_snapshot.pickle"
     assert run.returncode == 0, run.describe()
     assert path.is_file(), run.describe()
     with open(path, "rb") as f:
@@ -155,24 +168,24 @@ def test_memory_snapshot_loads_and_its_steps_are_off_the_clock(tmp_path, report)
     metrics = run.metrics()
     tokens_per_step = metrics["tokens_seen"] // metrics["steps"]
     untimed_steps = (metrics["tokens_seen"] - sum(entry["timed_tokens"] for entry in metrics["log"])) / tokens_per_step
-    report(f"--memory-snapshot (00, 8 steps): {path.stat().st_size / 1e6:.1f} MB, {events:,} allocator events, "
-           f"{len(snapshot['segments'])} segments; steps left out of tok/s: {untimed_steps:g} (recorded: "
-           f"{SNAPSHOT_STEPS})")
+    off_clock = SNAPSHOT_STEPS + PROFILE_WARMUP + PROFILE_ACTIVE  # recorded, then profiled (warm-up and active)
+    report(f"--memory-snapshot (00, {metrics['steps']} steps, with --profile): {path.stat().st_size / 1e6:.1f} MB, "
+           f"{events:,} allocator events, {len(snapshot['segments'])} segments; steps left out of tok/s: "
+           f"{untimed_steps:g} (recorded {SNAPSHOT_STEPS}, profiled {PROFILE_WARMUP + PROFILE_ACTIVE})")
     assert events > 0, "the snapshot holds no allocator history"
-    # The tokens of the recorded steps must be left out of the timed ones: recording slows every allocation, and
-    # the dump after the last recorded step synchronizes and pickles. This reads the run's own bookkeeping, so it
-    # holds however fast the GPU is (a tok/s comparison would not: the first interval, where the snapshot falls,
-    # is left out of the average anyway).
-    assert untimed_steps == SNAPSHOT_STEPS, (
-        f"metrics.json log: {metrics['log']}: the steps the snapshot records should be off the training clock, as "
-        "--profile's are (RunInspection.off_clock)")
+    # The tokens of the recorded and profiled steps must be left out of the timed ones: recording slows every
+    # allocation, and the dump after the last recorded step synchronizes and pickles. This reads the run's own
+    # bookkeeping, so it holds however fast the GPU is (a tok/s comparison would not: the first interval, where the
+    # snapshot falls, is left out of the average anyway).
+    assert untimed_steps == off_clock, (
+        f"metrics.json log: {metrics['log']}: the steps the snapshot records and the profiler traces should be off "
+        "the training clock (RunInspection.off_clock)")
 
 
-def test_profile_table_ranks_kernels_and_operators_not_the_labelled_regions(tmp_path, report):
-    # budget: ~25 s: stage 00, the fewest steps --profile accepts (9 today), a 2 GB checkpoint
-    steps = PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
-    run = run_stage("00_orig.py", "--batch-size", 8, "--max-steps", steps, "--eval-freq", 100, "--eval-iter", 1,
-                    "--profile", out=tmp_path, timeout=240)
+def test_profile_table_ranks_kernels_and_operators_not_the_labelled_regions(run_00_inspected, report):
+    # budget: run_00_inspected's
+    run, steps = run_00_inspected, PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
+    tmp_path = run.out
     rows = profile_rows(run.stdout)
     labels = [row for row in rows if row in REGION_LABELS or row.startswith("ProfilerStep")]
     report(f"--profile (00, {steps} steps): {len(rows)} rows, the top three {rows[:3]}; labelled regions among "
