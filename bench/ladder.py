@@ -785,6 +785,8 @@ def run_ladder(args):
     from bench.rungs import CHANGES
     from data import load_text
 
+    clock_start = time.monotonic()  # --time-limit counts from here: the device query below starts CUDA, seconds
+    deadline = clock_start + args.time_limit if args.time_limit else None
     load_text(args.data)  # a wrong --data fails here, once, with exit code 2 (and middlemarch is cached once)
     device_info = describe_device(args)
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
@@ -810,8 +812,6 @@ def run_ladder(args):
 
     rows, durations, stopped = part["rungs"], [], None
     seconds_by_kind, not_started, checks_left = {}, [], False  # for --time-limit
-    clock_start = time.monotonic()
-    deadline = clock_start + args.time_limit if args.time_limit else None
     merged = None
     for index, number in enumerate(args.rungs, start=1):
         elapsed = time.monotonic() - clock_start

@@ -13,7 +13,9 @@ The runs, each a fresh process with the stage's own defaults:
 torch.compile keeps what it compiled on disk (Inductor's and Triton's caches) and a second run loads it
 instead of compiling again. Each run here gets a cache folder of its own, empty, except 01-warm, which
 reuses 01-cold's, so "cold" and "warm" mean the same on every machine, whatever ran there before. The caches
-are deleted at the end.
+are deleted at the end. Commands into the same folder fill one table (`--runs 00,01-cold,01-warm`, then
+`--runs 02`, where one command may run for at most 10 minutes): a run measured again replaces its row, and a folder
+measured on another GPU, PyTorch or CUDA is refused.
 
 Every stage ends its log with its wall clock split into start-up, compilation, training, evaluation,
 sampling and outputs (metrics.json's wall_clock_s); this script sets those side by side with the whole
@@ -99,6 +101,8 @@ def measure(name, args, out):
     run_dir, log_path = out / "runs" / name, out / "logs" / f"{name}.log"
     shown, command = command_of(name, args, run_dir)
     cache = out / "compile-cache" / RUNS[name][2]
+    if name != "01-warm":  # cold: not even what a run of this script cut off before its cleanup left behind
+        shutil.rmtree(cache, ignore_errors=True)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
     start_run_folder(run_dir)
     print(f"[{name}] $ {shown}", flush=True)
@@ -128,9 +132,10 @@ def _cell(value, spec):
 
 def render_markdown(report):
     lines = [f"# The stages end to end on {report['device']}", "",
-             f"{report['date']} | PyTorch {report['torch']}, CUDA {report['cuda'] or '-'}, driver "
-             f"{report['driver'] or '-'}, Python {report['python']} | commit {report['git'] or '-'} | "
-             f"`{report['command']}`", "",
+             f"PyTorch {report['torch']}, CUDA {report['cuda'] or '-'}, driver {report['driver'] or '-'}, Python "
+             f"{report['python']}; measured by " + "; then ".join(
+                 f"`{part['command']}` ({part['date']}, commit {part['git'] or '-'}: {', '.join(part['runs'])})"
+                 for part in report["parts"]), "",
              "| run | command | steps | batch | Avg tok/sec | MFU | reserved GB | peak reserved GB | final val loss |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
@@ -155,6 +160,24 @@ def render_markdown(report):
     return "\n".join(lines) + "\n"
 
 
+def earlier_parts(path, report):
+    """`report` with the parts and rows a command before this one wrote into the same folder (a run measured
+    again replaces its row), so that commands of under 10 minutes each fill one table; a folder measured on
+    another GPU, PyTorch or CUDA, or with(out) --tiny, is refused."""
+    if not path.is_file():
+        return report
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise common.UsageError(f"{path} cannot be read ({err}): move it away, or choose another --out") from None
+    differences = [f"{key} {earlier.get(key)!r} there, {report[key]!r} here"
+                   for key in ("device_name", "torch", "cuda", "tiny") if earlier.get(key) != report[key]]
+    if differences or "parts" not in earlier:
+        raise common.UsageError(f"{path} holds runs measured otherwise ({'; '.join(differences) or 'older format'}): "
+                                "choose another --out, or move its files away")
+    return {**report, "parts": earlier["parts"], "runs": earlier["runs"]}
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
@@ -172,13 +195,21 @@ def main(argv=None):
         return common.EXIT_USAGE
     report = {"device": device_info["description"], "device_name": device_info["name"], "torch": device_info["torch"],
               "cuda": device_info["cuda"], "driver": nvidia_driver(), "python": device_info["python"],
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
-              "command": shlex.join(["python", "bench/stages.py", *(argv if argv is not None else sys.argv[1:])]),
-              "runs": []}
+              "tiny": args.tiny, "parts": [], "runs": []}
+    try:
+        report = earlier_parts(out / "stages.json", report)
+    except common.UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return common.EXIT_USAGE
+    report["parts"].append({"command": shlex.join(["python", "bench/stages.py",
+                                                   *(argv if argv is not None else sys.argv[1:])]),
+                            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
+                            "runs": names})
     stop_on_signals()  # SIGTERM and SIGHUP as Ctrl-C: the run in progress is stopped with everything it started
     try:
         for name in names:
-            report["runs"].append(measure(name, args, out))
+            rows = [row for row in report["runs"] if row["run"] != name] + [measure(name, args, out)]
+            report["runs"] = sorted(rows, key=lambda row: list(RUNS).index(row["run"]))
             checkpoints.write_json(report, out / "stages.json")  # after every run: a cut-off keeps what finished
             checkpoints.save_atomically(lambda tmp: Path(tmp).write_text(render_markdown(report)), out / "stages.md")
     except KeyboardInterrupt as err:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,54 @@ def test_the_commands_are_the_ones_a_user_types(tmp_path):
     shown, command = stages.command_of("00", Namespace(tiny=False, device="cuda"), tmp_path / "00")
     assert shown == "python 00_orig.py --max-steps 200 --device cuda"
     assert command[0] == sys.executable and str(command[1]).endswith("00_orig.py")
+
+
+def test_only_01_warm_finds_a_filled_cache(tmp_path, monkeypatch):
+    """A command cut off outright (a time limit's SIGKILL) leaves its compile cache behind: the next command's cold
+    runs must not compile into it, or "cold" would be warm."""
+    out, seen = tmp_path / "stages", {}
+
+    def fake_run(command, log_path, timeout, env):
+        seen[command[-1].name] = sorted(path.name for path in Path(env["TORCHINDUCTOR_CACHE_DIR"]).glob("*"))
+        return 1, ["a fake run"]
+
+    monkeypatch.setattr(stages, "run_streaming", fake_run)
+    (out / "logs").mkdir(parents=True)
+    args = Namespace(tiny=True, device="cpu", run_timeout=10)
+    for name in ("01-cold", "01-warm", "02"):
+        left_over = out / "compile-cache" / stages.RUNS[name][2] / "inductor" / f"before-{name}"
+        left_over.mkdir(parents=True)
+        assert stages.measure(name, args, out)["error"]
+    assert seen == {"01-cold": [], "01-warm": ["before-01-warm"], "02": []}
+
+
+def test_commands_into_one_folder_fill_one_table(tmp_path, monkeypatch):
+    """Where a command may run for 10 minutes at most, the runs go in parts: each part's rows join the folder's,
+    a run measured again replaces its row, and a folder measured with another PyTorch is refused, untouched."""
+    measured = []
+
+    def fake_measure(name, args, out):
+        measured.append(name)
+        return {"run": name, "command": f"the command of {name} #{len(measured)}", "error": None, "steps": 1,
+                "batch_size": 2, "avg_tok_per_sec": 100.0 * len(measured), "mfu": None, "reserved_gb": None,
+                "peak_reserved_gb": None, "final_val_loss": 5.0, "command_seconds": 1.0, "wall_clock_s": {}}
+
+    monkeypatch.setattr(stages, "measure", fake_measure)
+    out, flags = tmp_path / "stages", ["--device", "cpu", "--out", str(tmp_path / "stages")]
+    for runs in ("02,01-cold,01-warm", "00", "02"):
+        assert stages.main(["--runs", runs, *flags]) == 0
+    report = json.loads((out / "stages.json").read_text())
+    assert [(row["run"], row["command"]) for row in report["runs"]] == [
+        ("00", "the command of 00 #4"), ("01-cold", "the command of 01-cold #1"),
+        ("01-warm", "the command of 01-warm #2"), ("02", "the command of 02 #5")]
+    assert [part["runs"] for part in report["parts"]] == [["01-cold", "01-warm", "02"], ["00"], ["02"]]
+    table = (out / "stages.md").read_text()
+    assert table.count("python bench/stages.py --runs") == 3 and table.index("#4") < table.index("#1"), table
+
+    report["torch"] = "1.0.0"
+    (out / "stages.json").write_text(json.dumps(report))
+    assert stages.main(["--runs", "00", *flags]) == 2
+    assert json.loads((out / "stages.json").read_text())["torch"] == "1.0.0" and len(measured) == 5
 
 
 @pytest.mark.parametrize("runs, message", [("01-warm", "01-warm reuses the compile cache"),
