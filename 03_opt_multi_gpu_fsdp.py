@@ -436,12 +436,13 @@ def shard_model(model, device, activation_checkpointing):
     # bf16 gathers halve the traffic, gradients are reduced in float32, the shards stay float32. Autocast stays: its
     # casts of bf16 weights are no-ops, and it keeps 02's precision per op (on CUDA, layer norms in float32)
     mixed_precision = MixedPrecisionPolicy(param_dtype=common.autocast_dtype(device), reduce_dtype=torch.float32)
+    mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))  # this run's device, not the machine's GPU
     for index, block in enumerate(model.trf_blocks):
         if activation_checkpointing:  # keep only the block's input for backward, which recomputes the rest
             block = model.trf_blocks[index] = checkpoint_wrapper(block)
         block.compile()  # step 8 per block, in place: a graph of the whole model would break at FSDP's hooks
-        fully_shard(block, mp_policy=mixed_precision)
-    fully_shard(model, mp_policy=mixed_precision)  # the embeddings, final norm and output head: one more unit
+        fully_shard(block, mesh=mesh, mp_policy=mixed_precision)
+    fully_shard(model, mesh=mesh, mp_policy=mixed_precision)  # one more unit: embeddings, final norm, output head
 
 
 def main():

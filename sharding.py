@@ -173,6 +173,8 @@ class ShardMemory:
                 + "; measured after the first step")
 
     def _measure(self, optimizer, args, kwargs):
+        if all(group["lr"] == 0 for group in optimizer.param_groups):
+            return  # --resume: DCP creates AdamW's state by a step at learning rate 0 on zero gradients: not training
         self._hook.remove()  # once
         parameters = list(self.model.parameters())
         local = {"parameter_bytes": _local_bytes(parameters),

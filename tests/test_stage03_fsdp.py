@@ -223,6 +223,8 @@ def test_resume_at_the_same_world_size_is_exact(runs):
     assert rc == 0, stdout[-2000:] + stderr[-3000:]
     assert f"Resuming {runs.root / 'split0' / 'model.pth'} after step {SPLIT_AT - 1:06d}" in stdout
     assert "Resharding" not in stdout
+    # measured after the first step trained, not after the step DCP takes at learning rate 0 to create AdamW's state
+    assert stdout.index("Memory per rank, measured") > stdout.index("Resuming "), stdout
     reference, resumed = losses(runs.root / "reference"), losses(runs.root / "split0")
     for step in (6, 9, 11):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
@@ -400,6 +402,18 @@ def test_hardware_flops_count_the_recomputed_forward(stage03):
     cfg = {**stage03.GPT_CONFIG_124M, **common.MODEL_SIZES["gpt2-xl"]}
     hardware, model = sharding.hardware_flops_per_token(cfg, 50257, True), common.flops_per_token(cfg, 50257)
     assert hardware / model == pytest.approx(8 / 6, rel=0.02)
+
+
+def test_the_shards_live_on_the_device_the_run_was_given(stage03, monkeypatch):
+    """Left to itself, fully_shard lays its mesh on the machine's accelerator: `--device cpu` on a GPU machine would
+    move the weights to the GPU while the batches stay on the CPU. The stage names the mesh's device; here the
+    machine claims a GPU it does not have, as a GPU machine's would."""
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda *args: torch.device("cuda"))
+    with group_of_one():
+        model = stage03.GPTModel(stage03.TINY_CONFIG)
+        stage03.shard_model(model, torch.device("cpu"), False)
+        devices = {(tensor.device_mesh.device_type, tensor.device.type) for tensor in model.parameters()}
+    assert devices == {("cpu", "cpu")}
 
 
 def test_bf16_gathers_with_autocast_keep_the_loss_near_float32(stage03):
