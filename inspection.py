@@ -92,10 +92,11 @@ class RunInspection:
     def step_done(self, step):
         """Call after each training step (`step`, 0-based, the one just done)."""
         if self.profiler is not None:
-            if self.cuda and step in self.profiled_steps:
-                # The host runs ahead of the GPU: without this the kernels still queued from this step would run
-                # inside the next step's window of the trace (the step after the warm-up one is the first kept).
-                # These steps are off the clock, so waiting here costs tok/s nothing.
+            if self.cuda and step + 1 in (self.profiled_steps.start + PROFILE_WARMUP, self.profiled_steps.stop):
+                # After the warm-up step, so that none of its kernels runs among the kept steps' (they would count),
+                # and after the last kept one, so that the trace holds all of its kernels. Between kept steps the
+                # host runs ahead of the GPU as in training: the idle time a profile shows is the training loop's,
+                # not waits made for the trace. These steps are off the clock: waiting costs tok/s nothing.
                 self.torch.cuda.synchronize()
             self.profiler.step()
             if step + 1 >= self.profiled_steps.stop:
