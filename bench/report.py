@@ -59,6 +59,7 @@ MATCHED_SETTINGS = {"device": "device", "model": "--model", "tiny": "--tiny", "b
                     "data": "--data", "seed": "--seed", "warmup_steps": "--warmup", "steps": "--steps",
                     "windows": "--windows", "options": "--option"}
 ROOFLINE_NAME = "roofline.json"
+SHIPPED_ROOFLINES = ROOT / "docs" / "roofline"  # bench/roofline.py's for the GPUs of the README
 
 
 def timestamp(moment=None):
@@ -228,11 +229,26 @@ def roofline_mismatch(roofline, device_name, settings):
     return None
 
 
+def shipped_roofline(device_name, settings, say):
+    """The roofline this repository ships (docs/roofline/<GPU>/) that models these rungs, or None."""
+    for path in sorted(SHIPPED_ROOFLINES.glob(f"*/{ROOFLINE_NAME}")):
+        try:
+            roofline = read_roofline(path)
+        except ValueError:
+            continue
+        if roofline_mismatch(roofline, device_name, settings) is None:
+            say(f"Ceilings from {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, the roofline "
+                f"shipped for the {roofline['gpu']} (--roofline gives another)")
+            return roofline
+    return None
+
+
 def find_roofline(out, explicit, device_name, settings, say=print):
     """The roofline to set beside the rungs, or None.
 
     `explicit` (--roofline) must be readable and model these rungs (a UsageError otherwise); a roofline.json in the
-    results folder is taken when it models them, and otherwise left out with a line saying why."""
+    results folder is taken when it models them, and otherwise left out with a line saying why; without one there,
+    the roofline shipped in docs/roofline/ for this GPU, where it models these rungs."""
     if explicit:
         try:
             roofline = read_roofline(explicit)
@@ -245,7 +261,7 @@ def find_roofline(out, explicit, device_name, settings, say=print):
         return roofline
     path = Path(out) / ROOFLINE_NAME
     if not path.exists():
-        return None
+        return shipped_roofline(device_name, settings, say)
     try:
         roofline = read_roofline(path)
     except ValueError as err:

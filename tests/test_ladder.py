@@ -519,6 +519,21 @@ def test_a_roofline_for_the_same_gpu_adds_a_ceiling_column(tmp_path):
     assert "ceiling" not in report.render_markdown(report.merge(None, hand_made_part({0: (1.0, 1.0)})))
 
 
+def test_without_a_roofline_in_the_folder_the_one_shipped_for_the_gpu_is_used(tmp_path):
+    """docs/roofline/ holds the H100's, H200's and A100's: a ladder on one of them gets its ceilings with no flag,
+    and only where they model its rungs."""
+    settings = {**synthetic_gpu_report()["settings"], "model": "gpt2-small", "batch_size": None}
+    said = []
+    found = report.find_roofline(tmp_path, None, "NVIDIA H100 80GB HBM3", settings, say=said.append)
+    assert found["gpu"] == "H100" and said == [
+        "Ceilings from docs/roofline/H100/roofline.json, the roofline shipped for the H100 (--roofline gives another)"]
+    assert report.find_roofline(tmp_path, None, "NVIDIA H200", settings, say=said.append)["gpu"] == "H200"
+    assert report.find_roofline(tmp_path, None, "NVIDIA H100 PCIe", settings, say=said.append) is None
+    assert report.find_roofline(tmp_path, None, "NVIDIA H100 80GB HBM3", {**settings, "batch_size": 8},
+                                say=said.append) is None
+    assert len(said) == 2
+
+
 def test_report_py_rebuilds_a_table_with_the_ceiling_beside_it(tmp_path, capsys):
     merged = synthetic_gpu_report()
     merged["device_name"] = "NVIDIA H100 80GB HBM3"
