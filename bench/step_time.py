@@ -2,14 +2,15 @@
 
   python 01_opt_single_gpu.py --max-steps 20 --profile      # writes runs/01_opt_single_gpu/profile/*.json
   python bench/step_time.py runs/01_opt_single_gpu/profile/01_opt_single_gpu.pt.trace.json
-  python bench/step_time.py TRACE --roofline docs/roofline/H100/roofline.json --rung 10
+  python bench/step_time.py TRACE --rung 10       # beside rung 10 of docs/roofline/<this GPU>/roofline.json
+  python bench/step_time.py TRACE --roofline PATH --rung 10   # another roofline.json of bench/roofline.py
 
 It reads the trace that --profile wrote (steps 6-8 of the run), sorts every GPU kernel into the roofline's six
 classes of work by its name (inspection.kernel_class: cuBLAS's GEMMs, FlashAttention, the loss's log-softmax,
 AdamW's multi-tensor kernels, norms and activations, everything else elementwise), adds NCCL's communication, the
 copies, and the time the GPU ran nothing ("idle": the host did not keep it fed), and prints a markdown table of
-milliseconds per step. With --roofline and --rung, each class also gets the floor that bench/roofline.py modelled
-for it on that GPU, and measured over floor: the class furthest above its floor is where a change can gain most.
+milliseconds per step. With --rung (and --roofline, or the roofline docs/roofline/ ships for the trace's GPU), each
+class also gets the floor that bench/roofline.py modelled for it on that GPU, and measured over floor: the class furthest above its floor is where a change can gain most.
 Then the kernels that took the most time, with their class, so that a name the rules sort wrongly shows.
 
 The roofline must model the run that was profiled: the same GPU (checked against the trace's device), the same
@@ -31,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # inspection and bench.report, wherever the script is started from
 
 import common  # noqa: E402  (needs the path above)
-from bench.report import same_gpu  # noqa: E402
+from bench.report import ROOFLINE_NAME, SHIPPED_ROOFLINES, same_gpu  # noqa: E402
 from data import UsageError  # noqa: E402
 from inspection import (GPU_BUSY_CATEGORIES, GPU_TIME_CLASSES, WORK_CLASSES, WORK_LABELS,  # noqa: E402
                         gpu_time_per_step, kernel_class)
@@ -57,6 +58,19 @@ def trace_gpu_name(trace):
     """The name of the GPU the trace was taken on, where the trace records it."""
     devices = trace.get("deviceProperties") or []
     return devices[0].get("name") if devices and isinstance(devices[0], dict) else None
+
+
+def shipped_roofline_path(gpu_name):
+    """docs/roofline/<GPU>/roofline.json for the GPU the trace was taken on (--rung without --roofline)."""
+    for path in sorted(SHIPPED_ROOFLINES.glob(f"*/{ROOFLINE_NAME}")):
+        try:
+            modelled = json.loads(path.read_text(encoding="utf-8"))["gpu"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if gpu_name and same_gpu(modelled, gpu_name):
+            return path
+    raise UsageError(f"docs/roofline/ ships no roofline for the {gpu_name or 'GPU of this trace'}: write one with "
+                     f"python bench/roofline.py --gpu '{gpu_name or 'NAME'}' --out DIR and give it with --roofline")
 
 
 def roofline_floors(path, rung, gpu_name):
@@ -129,13 +143,15 @@ def main(argv=None):
     parser.add_argument("--rung", type=int, help="the rung the profiled run is (10: 01 as it is; 0: 00)")
     args = parser.parse_args(argv)
     try:
-        if (args.roofline is None) != (args.rung is None):
-            raise UsageError("--roofline and --rung go together: the floors are those of one rung")
+        if args.roofline is not None and args.rung is None:
+            raise UsageError("--roofline needs --rung: the floors are those of one rung (10: 01 as it is; 0: 00)")
         trace = read_trace(args.trace)
         per_step = gpu_time_per_step(trace)
         if per_step is None:
             raise UsageError(f"{args.trace} holds no GPU kernels (a CPU run's trace?): profile a run on a GPU")
         gpu_name = trace_gpu_name(trace)
+        if args.rung is not None and args.roofline is None:
+            args.roofline = shipped_roofline_path(gpu_name)
         floors, roofline_line = (roofline_floors(args.roofline, args.rung, gpu_name) if args.roofline
                                  else (None, None))
         print(render(per_step, top_kernels(trace, per_step["steps"]), gpu_name, floors, roofline_line))

@@ -125,6 +125,12 @@ def test_step_time_prints_each_class_beside_its_roofline_floor(tmp_path, capsys)
     assert "rung 10" in out and "batch 32 x 1024" in out, out
 
 
+def test_step_time_finds_the_roofline_shipped_for_the_traces_gpu(tmp_path, capsys):
+    assert step_time.main([str(write(tmp_path, two_step_trace())), "--rung", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "roofline: " in out and "docs/roofline/H100/roofline.json, rung 10" in out, out
+
+
 def test_step_time_names_the_overlap_and_the_top_kernels(tmp_path, capsys):
     assert step_time.main([str(write(tmp_path, two_step_trace()))]) == 0
     out = capsys.readouterr().out
@@ -133,7 +139,8 @@ def test_step_time_names_the_overlap_and_the_top_kernels(tmp_path, capsys):
     assert top[0].startswith("| `nvjet_hsh") and "| matmuls | 0.400 | 1 |" in top[0], top
 
 
-@pytest.mark.parametrize("case", ["missing", "not-json", "cpu-trace", "other-gpu", "no-such-rung", "rung-alone"])
+@pytest.mark.parametrize("case", ["missing", "not-json", "cpu-trace", "other-gpu", "no-such-rung", "roofline-alone",
+                                  "no-shipped-roofline"])
 def test_step_time_refuses_with_one_line(tmp_path, capsys, case):
     good = write(tmp_path, two_step_trace())
     other_gpu = write(tmp_path, {**two_step_trace(), "deviceProperties": [{"name": "NVIDIA A100-SXM4-80GB"}]}, "a.json")
@@ -143,11 +150,14 @@ def test_step_time_refuses_with_one_line(tmp_path, capsys, case):
         "cpu-trace": [str(write(tmp_path, {"traceEvents": []}, "cpu.json"))],
         "other-gpu": [str(other_gpu), "--roofline", ROOT_ROOFLINE, "--rung", "10"],
         "no-such-rung": [str(good), "--roofline", ROOT_ROOFLINE, "--rung", "12"],
-        "rung-alone": [str(good), "--rung", "10"],
+        "roofline-alone": [str(good), "--roofline", ROOT_ROOFLINE],
+        "no-shipped-roofline": [str(write(tmp_path, {**two_step_trace(), "deviceProperties": [{"name": "NVIDIA L4"}]},
+                                          "l4.json")), "--rung", "10"],
     }[case]
     (tmp_path / "x.json").write_text("{ cut short", encoding="utf-8")
     expected = {"missing": "cannot read the trace", "not-json": "not JSON", "cpu-trace": "no GPU kernels",
-                "other-gpu": "models the H100", "no-such-rung": "not rung 12", "rung-alone": "go together"}[case]
+                "other-gpu": "models the H100", "no-such-rung": "not rung 12", "roofline-alone": "--roofline needs --rung",
+                "no-shipped-roofline": "ships no roofline for the NVIDIA L4"}[case]
     assert step_time.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
