@@ -452,8 +452,10 @@ def timed_out(timeout, limit):
 def run_single_process_rung(number, args, logs, timeout, limit="--rung-timeout"):
     result_path = logs / f"rung-{number:02d}.json"
     result_path.unlink(missing_ok=True)
+    from bench.rungs import option_environment
+
     command = worker_command(args, "--run-rung", number, "--result", result_path)
-    code, tail = run_streaming(command, logs / f"rung-{number:02d}.log", timeout)
+    code, tail = run_streaming(command, logs / f"rung-{number:02d}.log", timeout, env=option_environment(args.option))
     result = json.loads(result_path.read_text()) if result_path.exists() else {"rung": number}
     if code is None:
         return {**result, **timed_out(timeout, limit)}

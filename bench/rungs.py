@@ -18,6 +18,7 @@ and 03 under torchrun.
 
 import importlib.util
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -73,7 +74,13 @@ OPTIONS = {
     "chunked-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's: the output head and the loss in "
                     f"chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient made in the forward, so the "
                     "logits are never kept whole (rungs 4-10, whose loss is 01's)",
+    "expandable-segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
+                           "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
+                           "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
 }
+# Options that act through the environment a rung's process starts with (the allocator reads it once, at CUDA's
+# initialization): the ladder sets it when it starts the rung.
+OPTION_ENVIRONMENT = {"expandable-segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 SINGLE_PROCESS_RUNGS = range(0, 11)
 MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
 ALL_RUNGS = range(0, 13)
@@ -87,6 +94,12 @@ def apply_options(names):
     chunked-loss changes the rung's code, not a setting: compose() takes it (its `options`)."""
     for name in names:
         if name == "chunked-loss":
+            continue
+        if name in OPTION_ENVIRONMENT:
+            missing = {key: value for key, value in OPTION_ENVIRONMENT[name].items() if os.environ.get(key) != value}
+            if missing:  # set too late here: the ladder starts the rung's process with it
+                raise ValueError(f"option {name} needs {missing} in the environment the process starts with "
+                                 "(bench/ladder.py sets it)")
             continue
         if name == "max-autotune":
             import torch._inductor.config as inductor_config
@@ -104,6 +117,11 @@ def apply_options(names):
             torch.backends.cuda.enable_cudnn_sdp(True)
         else:
             raise ValueError(f"unknown option {name!r}; the options are {', '.join(OPTIONS)}")
+
+
+def option_environment(names):
+    """The environment variables the options `names` need in a rung's process, from its start."""
+    return {key: value for name in names for key, value in OPTION_ENVIRONMENT.get(name, {}).items()}
 
 
 def load_stage(filename):

@@ -368,7 +368,7 @@ def test_the_ladder_refuses_a_part_measured_otherwise_and_writes_nothing(tmp_pat
         "ladder.json"]
 
 
-def test_options_switch_on_what_they_name_and_nothing_else():
+def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -388,14 +388,23 @@ def test_options_switch_on_what_they_name_and_nothing_else():
         assert functorch_config.activation_memory_budget == rungs.MEMORY_BUDGET < 1
         with pytest.raises(ValueError, match="unknown option"):
             rungs.apply_options(["fast"])
+        # the allocator reads its settings once: the ladder starts the rung's process with them, and a process
+        # without them refuses the option rather than measure the default allocator under its name
+        assert rungs.option_environment(["memory-budget", "expandable-segments"]) == {
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        with pytest.raises(ValueError, match="expandable_segments:True"):
+            rungs.apply_options(["expandable-segments"])
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        rungs.apply_options(["expandable-segments"])
     finally:
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
         functorch_config.activation_memory_budget = saved_budget
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
-    assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cudnn-attention", "max-autotune",
-                                     "memory-budget"]
+    assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cudnn-attention", "expandable-segments",
+                                     "max-autotune", "memory-budget"]
 
 
 def test_rungs_keep_cudnns_attention_off_as_the_stages_do_unless_the_option_measures_it():
@@ -458,16 +467,18 @@ def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
     assert folder.name == "nvidia-h100-80gb-hbm3-coordinate-descent-max-autotune-tiny"
     out = tmp_path / "out"
     done = run_script("bench/ladder.py", "--tiny", "--rungs", "6", "--warmup", "1", "--steps", "2", "--data",
-                      small_text, "--option", "coordinate-descent", "--option", "chunked-loss", "--out", out,
-                      timeout=300)
+                      small_text, "--option", "coordinate-descent", "--option", "chunked-loss", "--option",
+                      "expandable-segments", "--out", out, timeout=300,
+                      env={"PYTORCH_CUDA_ALLOC_CONF": ""})  # the rung's setting must come from the ladder
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     measured = json.loads((out / "ladder.json").read_text())
-    assert measured["settings"]["options"] == "chunked-loss,coordinate-descent"
+    assert measured["settings"]["options"] == "chunked-loss,coordinate-descent,expandable-segments"
     assert any(note.startswith("option coordinate-descent: torch._inductor.config.coordinate_descent_tuning")
                for note in measured["rungs"][0]["notes"]), measured["rungs"][0]
     assert any(note.startswith("option chunked-loss: 01's forward_and_loss replaced") for note in
                measured["rungs"][0]["notes"])
-    assert "with --option chunked-loss,coordinate-descent on every rung" in (out / "ladder.md").read_text()
+    assert "with --option chunked-loss,coordinate-descent,expandable-segments on every rung" in (
+        out / "ladder.md").read_text()
 
 
 def test_ratios_name_the_rung_they_compare_with():
