@@ -229,13 +229,18 @@ def roofline_mismatch(roofline, device_name, settings):
     return None
 
 
-def shipped_roofline(device_name, settings, say):
-    """The roofline this repository ships (docs/roofline/<GPU>/) that models these rungs, or None."""
+def shipped_rooflines():
+    """(path, read_roofline's dict) of each roofline this repository ships in docs/roofline/<GPU>/."""
     for path in sorted(SHIPPED_ROOFLINES.glob(f"*/{ROOFLINE_NAME}")):
         try:
-            roofline = read_roofline(path)
+            yield path, read_roofline(path)
         except ValueError:
             continue
+
+
+def shipped_roofline(device_name, settings, say):
+    """The roofline this repository ships that models these rungs, or None."""
+    for path, roofline in shipped_rooflines():
         if roofline_mismatch(roofline, device_name, settings) is None:
             say(f"Ceilings from {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, the roofline "
                 f"shipped for the {roofline['gpu']} (--roofline gives another)")

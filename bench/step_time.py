@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # inspection and bench.report, wherever the script is started from
 
 import common  # noqa: E402  (needs the path above)
-from bench.report import ROOFLINE_NAME, SHIPPED_ROOFLINES, same_gpu  # noqa: E402
+from bench.report import same_gpu, shipped_rooflines  # noqa: E402
 from data import UsageError  # noqa: E402
 from inspection import (GPU_BUSY_CATEGORIES, GPU_TIME_CLASSES, WORK_CLASSES, WORK_LABELS,  # noqa: E402
                         gpu_time_per_step, kernel_class)
@@ -62,12 +62,8 @@ def trace_gpu_name(trace):
 
 def shipped_roofline_path(gpu_name):
     """docs/roofline/<GPU>/roofline.json for the GPU the trace was taken on (--rung without --roofline)."""
-    for path in sorted(SHIPPED_ROOFLINES.glob(f"*/{ROOFLINE_NAME}")):
-        try:
-            modelled = json.loads(path.read_text(encoding="utf-8"))["gpu"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if gpu_name and same_gpu(modelled, gpu_name):
+    for path, roofline in shipped_rooflines():
+        if gpu_name and same_gpu(roofline["gpu"], gpu_name):
             return path
     raise UsageError(f"docs/roofline/ ships no roofline for the {gpu_name or 'GPU of this trace'}: write one with "
                      f"python bench/roofline.py --gpu '{gpu_name or 'NAME'}' --out DIR and give it with --roofline")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,16 @@ def run_script(*args, timeout=300, env=None):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def wait_for(predicate, timeout, interval=0.2):
+    """Whether predicate() came true within `timeout` seconds, asked every `interval`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
 
 
 def process_alive(pid):

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import common
 from bench import ladder, report, rungs
-from conftest import ROOT, process_alive, run_script
+from conftest import ROOT, process_alive, run_script, wait_for
 
 CPU = torch.device("cpu")
 FAILING_RUNG = 3  # made to fail on purpose in the end-to-end run
@@ -812,10 +812,7 @@ def test_stopping_a_run_stops_the_workers_its_launcher_started_in_sessions_of_th
         started = time.monotonic()
         ladder.stop_process_group(process, grace=0.5)
         assert process.poll() is not None and time.monotonic() - started < 5
-        deadline = time.monotonic() + 5
-        while process_alive(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not process_alive(worker_pid), "the worker outlived the stopped launcher"
+        assert wait_for(lambda: not process_alive(worker_pid), 5, 0.05), "the worker outlived the stopped launcher"
     finally:
         process.kill()
         if process_alive(worker_pid):
@@ -836,10 +833,7 @@ def test_a_run_does_not_outlive_a_ladder_killed_outright(tmp_path):
         assert process_alive(run_pid)
         ladder_process.kill()
         ladder_process.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while process_alive(run_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not process_alive(run_pid), "the run outlived the ladder"
+        assert wait_for(lambda: not process_alive(run_pid), 20, 0.05), "the run outlived the ladder"
     finally:
         ladder_process.kill()
         if process_alive(run_pid):

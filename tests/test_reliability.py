@@ -13,7 +13,7 @@ import torch
 
 import checkpoints
 import common
-from conftest import ROOT, logged_losses, run_script, run_with_fault
+from conftest import ROOT, logged_losses, run_script, run_with_fault, wait_for
 
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
 
@@ -45,15 +45,6 @@ def test_resume_continues_exactly(tmp_path, small_text, script):
         assert resumed[step] == pytest.approx(losses, abs=1e-6), step
     metrics = json.loads((tmp_path / "split" / "metrics.json").read_text())
     assert metrics["steps"] == 40 and metrics["tokens_seen"] == 40 * 4 * 64
-
-
-def wait_for(predicate, timeout, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
