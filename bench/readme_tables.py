@@ -1,0 +1,287 @@
+"""Write a results folder's measurements into README.md, or check that the README still shows them.
+
+  python bench/readme_tables.py bench/results/nvidia-h100-80gb-hbm3           # fill the README from the folder
+  python bench/readme_tables.py bench/results/nvidia-h100-80gb-hbm3 --check   # exit 1 where they differ
+
+The folder is what bench/ladder.py wrote (ladder.json) and, in its stages/ subfolder, what bench/stages.py wrote
+(stages.json). From the ladder: the "measured here" column of the README's table of the ten optimizations (median
+tok/s, peak reserved GiB and the speed-up over the step above, for steps 0 to 10) and a paragraph under it with the
+GPU, the versions, the dates, step 10 over step 0, the steps that did not pay and rungs 11 and 12. From the stages:
+a table in the README's Results section, each run's Avg tok/sec, MFU, memory and wall clock split into phases.
+Nothing is typed by hand, so a figure in the README is always one of the folder's, and --check (run by the test
+suite on the folder the README names) notices a README edited by hand or a folder measured again.
+
+Only a ladder at the stages' own settings fills the table: not --tiny, gpt2-small, each stage's own batch, no
+--option (exit code 2 for another, naming what differs).
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402  (needs the path above; imports no torch)
+from data import UsageError  # noqa: E402
+
+README = ROOT / "README.md"
+TABLE_HEADING = "## The ten optimizations of stage 01"
+STEPS = range(11)  # the table's rows: step 0 (the baseline) to step 10 (01 as it is)
+PAYS = 1.02  # a step that gains less than 2% over the step above "did not pay" on this GPU
+NOT_MEASURED = "no GPU run yet"
+LADDER_BLOCK = ("<!-- ladder results: bench/readme_tables.py writes this paragraph -->", "<!-- /ladder results -->")
+STAGES_BLOCK = ("<!-- stage results: bench/readme_tables.py writes this section -->", "<!-- /stage results -->")
+LADDER_PLACEHOLDER = ("**Measured here:** no GPU run yet. `python bench/readme_tables.py bench/results/<gpu>` writes "
+                      "the ladder of a results folder into this column and its stages into [Results](#results).")
+STAGES_PLACEHOLDER = ("**The stages end to end on a GPU:** no GPU run yet (`python bench/stages.py`, then "
+                      "`python bench/readme_tables.py bench/results/<gpu>`).")
+SHORT = {0: "the baseline", 1: "mask on the fly", 2: "TF32", 3: "fused AdamW", 4: "pinned memory",
+         5: "autocast", 6: "nn.LayerNorm/GELU", 7: "SDPA", 8: "torch.compile", 9: "vocabulary 50,304",
+         10: "batch 32", 11: "DDP", 12: "FSDP2"}
+
+
+def shown_folder(folder):
+    """The folder as the README names it: relative to the repository where it lies inside it."""
+    folder = Path(folder).resolve()
+    return folder.relative_to(ROOT).as_posix() if ROOT in folder.parents else folder.as_posix()
+
+
+def read_json(path, what):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{path} cannot be read as {what} ({err})") from None
+
+
+def read_folder(folder):
+    """(ladder report, stages report or None) of a results folder; a UsageError for a folder the README cannot
+    show (no ladder.json, or a ladder measured at other settings than the stages' own)."""
+    folder = Path(folder)
+    ladder = read_json(folder / "ladder.json", "bench/ladder.py's ladder.json")
+    if ladder is None:
+        raise UsageError(f"{folder} holds no ladder.json: measure it first (python bench/ladder.py, "
+                         "bench/README.md says how in parts)")
+    settings = ladder.get("settings") or {}
+    other = [what for what, differs in (
+        ("--tiny", settings.get("tiny")), (f"--model {settings.get('model')}", settings.get("model") != "gpt2-small"),
+        (f"--batch-size {settings.get('batch_size')}", settings.get("batch_size") is not None),
+        (f"--option {settings.get('options')}", bool(settings.get("options")))) if differs]
+    if other:
+        raise UsageError(f"{folder} was measured with {', '.join(other)}: the README's table shows the stages at their "
+                         "own settings (python bench/ladder.py with none of these)")
+    stages = read_json(folder / "stages" / "stages.json", "bench/stages.py's stages.json")
+    if stages is not None and (stages.get("tiny") or stages.get("device_name") != ladder.get("device_name")):
+        raise UsageError(f"{folder}/stages was measured {'with --tiny' if stages.get('tiny') else 'on another device'}"
+                         ": the README sets the stages beside the ladder of the same GPU")
+    return ladder, stages
+
+
+# ---------------------------------------------------------------------------------------------
+# What the README shows
+# ---------------------------------------------------------------------------------------------
+
+def ratio(row):
+    """The speed-up over the row above, naming that row's step where it is not the step just before."""
+    if not row.get("speedup_vs_previous"):
+        return ""
+    over = "" if row.get("previous_rung") == row["rung"] - 1 else f" over step {row['previous_rung']}"
+    return f" ({row['speedup_vs_previous']:.2f}×{over})"
+
+
+def measured_cell(row):
+    """'143,210, 15.20 (1.12×)': median tok/s, peak reserved GiB, speed-up over the step above."""
+    if row is None:
+        return "not measured yet"
+    if row.get("error"):
+        return "failed (see the ladder)"
+    reserved = "n/a" if row.get("peak_reserved_gb") is None else f"{row['peak_reserved_gb']:.2f}"
+    return f"{row['tokens_per_sec']:,.0f}, {reserved}" + ratio(row)
+
+
+def measured_dates(rows):
+    dates = sorted(row["measured_at"][:10] for row in rows if row.get("measured_at"))
+    return "" if not dates else dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+
+
+def ladder_paragraph(ladder, folder):
+    rows = {row["rung"]: row for row in ladder["rungs"]}
+    measured = {number: row for number, row in rows.items() if row.get("tokens_per_sec") and not row.get("error")}
+    sentences = [
+        f"**Measured here:** {ladder['device_name']}"
+        + (f" ({ladder['gpu_count']} visible)" if (ladder.get("gpu_count") or 1) > 1 else "") + ", PyTorch "
+        f"{ladder['torch']}, CUDA {ladder.get('cuda') or 'n/a'}, driver {ladder.get('driver') or 'n/a'}, "
+        f"{measured_dates(ladder['rungs'])}, by `bench/ladder.py` into `{shown_folder(folder)}/` (its `ladder.md` "
+        "gives each row's spread, MFU, ceiling and the commands). Each cell: the median tok/s of the timed steps, the "
+        "peak reserved GiB of the run and, in brackets, the speed-up over the step above."]
+    if 0 in measured and 10 in measured:
+        mfu = measured[10].get("mfu")
+        sentences.append(f"All ten steps: {measured[10]['tokens_per_sec'] / measured[0]['tokens_per_sec']:.2f}× "
+                         "step 0 (the original tutorial: 11.35× on its A100)"
+                         + (f"; step 10 at {mfu:.1%} MFU." if mfu is not None else "."))
+    idle = [f"step {number} ({SHORT[number]}) {row['speedup_vs_previous']:.2f}×" for number, row in sorted(
+        measured.items()) if number in STEPS and row.get("speedup_vs_previous") and row["speedup_vs_previous"] < PAYS]
+    if idle:
+        sentences.append(f"Did not pay on this GPU (under {PAYS - 1:.0%} over the step above): {', '.join(idle)}.")
+    failed = [f"{'step' if number in STEPS else 'rung'} {number}" for number, row in sorted(rows.items())
+              if row.get("error")]
+    if failed:
+        sentences.append(f"Failed: {', '.join(failed)} (the ladder's rows say why).")
+    beyond = []
+    for number in (11, 12):
+        if number in measured:
+            gpus = measured[number].get("world_size") or 1
+            beyond.append(f"rung {number} ({SHORT[number]}, `{'02' if number == 11 else '03'}` on {gpus} "
+                          f"GPU{'s' if gpus > 1 else ''}) {measured[number]['tokens_per_sec']:,.0f} tok/s"
+                          + ratio(measured[number]).replace(" over step", " over rung"))
+    if beyond:
+        sentences.append("Beyond the table: " + "; ".join(beyond) + ".")
+    return " ".join(sentences)
+
+
+def _cell(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+def stages_section(stages, folder):
+    runs = {row["run"]: row for row in stages["runs"]}
+    dates = sorted(part["date"][:10] for part in stages["parts"])
+    lines = [f"**The stages end to end** on the {stages['device']}, PyTorch {stages['torch']}, CUDA "
+             f"{stages.get('cuda') or 'n/a'}, {dates[0] if dates[0] == dates[-1] else f'{dates[0]} to {dates[-1]}'}, "
+             f"by `bench/stages.py` into `{shown_folder(folder)}/stages/` (its `stages.md` has the commands and "
+             "the logs). Each run with the stage's own defaults; Avg tok/sec leaves out the first log interval; "
+             "memory in GiB at the end of the run; wall clock in seconds.", "",
+             "| run | command | Avg tok/sec | MFU | reserved GB | final val loss | whole command | "
+             + " | ".join(common.WALL_CLOCK_PHASES) + " |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in common.WALL_CLOCK_PHASES)
+             + " |"]
+    for row in stages["runs"]:
+        if row.get("error"):
+            lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} |" + " |" * (
+                4 + len(common.WALL_CLOCK_PHASES)))
+            continue
+        split = row.get("wall_clock_s") or {}
+        lines.append(f"| {row['run']} | `{row['command']}` | {_cell(row.get('avg_tok_per_sec'), ',.0f')} | "
+                     f"{'n/a' if row.get('mfu') is None else format(row['mfu'], '.1%')} | "
+                     f"{_cell(row.get('reserved_gb'), '.2f')} | {_cell(row.get('final_val_loss'), '.3f')} | "
+                     f"{_cell(row.get('command_seconds'), '.1f')} | "
+                     + " | ".join(_cell(split.get(phase), ".1f") for phase in common.WALL_CLOCK_PHASES) + " |")
+    speeds = {name: row.get("avg_tok_per_sec") for name, row in runs.items() if not row.get("error")}
+    against = [f"{later} over {earlier}: {speeds[later] / speeds[earlier]:.3f}× ({target})"
+               for later, earlier, target in (("01-warm", "00", "target: at least 12×"),
+                                              ("02", "01-warm", "target: within 2%"))
+               if speeds.get(later) and speeds.get(earlier)]
+    if against:
+        lines += ["", "Avg tok/sec, " + "; ".join(against) + "."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's text
+# ---------------------------------------------------------------------------------------------
+
+def _table_rows(text):
+    """{step: (start, end) of the row's line} of the first table under TABLE_HEADING."""
+    start = text.index(TABLE_HEADING)
+    rows = {}
+    for match in re.finditer(r"^\| (\d+) \|.*$", text[start:], flags=re.MULTILINE):
+        if rows and int(match.group(1)) != max(rows) + 1:
+            break
+        rows[int(match.group(1))] = (start + match.start(), start + match.end())
+        if len(rows) == len(STEPS):
+            break
+    if sorted(rows) != list(STEPS):
+        raise ValueError(f"README.md: the table under '{TABLE_HEADING}' has no rows for steps 0 to 10")
+    return rows
+
+
+def measured_cells(text):
+    """{step: the text of its "measured here" cell} as the README has them."""
+    return {step: text[start:end].rstrip(" |").rsplit(" | ", 1)[1] for step, (start, end) in _table_rows(text).items()}
+
+
+def _with_cells(text, cells):
+    for step, (start, end) in sorted(_table_rows(text).items(), reverse=True):
+        head = text[start:end].rstrip(" |").rsplit(" | ", 1)[0]
+        text = text[:start] + f"{head} | {cells[step]} |" + text[end:]
+    return text
+
+
+def block(text, markers):
+    begin, end = markers
+    first, last = text.find(begin), text.find(end)
+    if first < 0 or last < first:
+        raise ValueError(f"README.md has no block between '{begin}' and '{end}'")
+    return text[first + len(begin):last].strip("\n")
+
+
+def _with_block(text, markers, body):
+    begin, end = markers
+    return text[:text.index(begin) + len(begin)] + "\n" + body + "\n" + text[text.index(end):]
+
+
+def filled(text, ladder, stages, folder):
+    """The README's text with the folder's measurements in the table, the paragraph under it and Results."""
+    rows = {row["rung"]: row for row in ladder["rungs"]}
+    text = _with_cells(text, {step: measured_cell(rows.get(step)) for step in STEPS})
+    text = _with_block(text, LADDER_BLOCK, ladder_paragraph(ladder, folder))
+    return _with_block(text, STAGES_BLOCK, stages_section(stages, folder) if stages else STAGES_PLACEHOLDER)
+
+
+def unfilled(text):
+    """The README as it reads before any GPU run (what the suite checks while no folder is named)."""
+    text = _with_cells(text, {step: NOT_MEASURED for step in STEPS})
+    return _with_block(_with_block(text, LADDER_BLOCK, LADDER_PLACEHOLDER), STAGES_BLOCK, STAGES_PLACEHOLDER)
+
+
+def named_folder(text):
+    """The results folder the README's ladder paragraph names, or None before any GPU run."""
+    match = re.search(r"into `([^`]+)/`", block(text, LADDER_BLOCK))
+    return ROOT / match.group(1) if match else None
+
+
+def differences(text, expected):
+    """Lines naming what differs between the README's text and the expected one."""
+    found = [f"step {step}: the README shows '{shown}', the folder gives '{measured_cells(expected)[step]}'"
+             for step, shown in measured_cells(text).items() if shown != measured_cells(expected)[step]]
+    for markers, what in ((LADDER_BLOCK, "the paragraph under the table"), (STAGES_BLOCK, "the stages in Results")):
+        if block(text, markers) != block(expected, markers):
+            found.append(f"{what} differs from what the folder gives")
+    return found
+
+
+def main(argv=None):
+    parser = common.OneLineParser(prog="bench/readme_tables.py", description=__doc__, allow_abbrev=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", help="a results folder: bench/results/<gpu> (ladder.json, stages/stages.json)")
+    parser.add_argument("--check", action="store_true", help="change nothing: exit 1 where the README differs")
+    parser.add_argument("--readme", default=str(README), help="the README to fill or check (default: README.md)")
+    args = parser.parse_args(argv)
+    try:
+        ladder, stages = read_folder(args.folder)
+        text = Path(args.readme).read_text(encoding="utf-8")
+        expected = filled(text, ladder, stages, args.folder)
+    except (UsageError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return common.EXIT_USAGE
+    if args.check:
+        found = differences(text, expected)
+        for line in found:
+            print(f"{args.readme}: {line}", file=sys.stderr)
+        if found:
+            print(f"to write the folder's figures: python bench/readme_tables.py {args.folder}", file=sys.stderr)
+        return common.EXIT_FAILED if found else common.EXIT_OK
+    Path(args.readme).write_text(expected, encoding="utf-8")
+    print(f"Wrote the measurements of {args.folder} into {args.readme}: steps "
+          f"{', '.join(str(row['rung']) for row in ladder['rungs'] if row['rung'] in STEPS)} of the table"
+          + (f", and {len(stages['runs'])} stage run(s) into Results" if stages else ""))
+    return common.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

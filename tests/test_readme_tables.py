@@ -1,0 +1,97 @@
+"""bench/readme_tables.py: a results folder's figures go into the README by a command, never by hand, and the README
+either shows no GPU figure at all or exactly those of the folder it names."""
+
+import json
+
+import pytest
+
+from bench import readme_tables, report, stages
+from conftest import ROOT
+from test_ladder import hand_made_part
+
+# rung: (median tok/s or None for a failed rung, peak reserved GiB), as a GPU's ladder could give them
+SPEEDS = {0: (20_000.0, 30.1), 1: (20_050.0, 30.0), 2: (41_000.0, 30.0), 3: (43_000.0, 30.0), 4: (42_900.0, 30.0),
+          5: (70_000.0, 16.2), 6: (None, None), 7: (150_000.0, 8.0), 8: (210_000.0, 8.5), 9: (230_000.0, 8.4),
+          10: (300_000.0, 15.9), 11: (297_000.0, 16.4), 12: (280_000.0, 12.0)}
+
+
+def stage_row(name, speed):
+    command = {"02": "torchrun --standalone --nproc_per_node=1 02_opt_multi_gpu_ddp.py"}.get(
+        name, f"python {'00_orig.py --max-steps 200' if name == '00' else '01_opt_single_gpu.py'}")
+    return {"run": name, "command": command, "command_seconds": 50.0, "error": None, "steps": 200,
+            "tokens_seen": 1_638_400, "avg_tok_per_sec": speed, "mfu": 0.4123, "reserved_gb": 15.87,
+            "peak_reserved_gb": 16.0, "world_size": 1, "precision": "bf16", "batch_size": 32, "final_val_loss": 6.2,
+            "wall_clock_s": {"start-up": 4.0, "compilation": 30.5, "training": 12.0, "evaluation": 2.0,
+                             "sampling": 0.5, "checkpoints and outputs": 1.0, "total": 50.0}}
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """A results folder as a GPU session leaves it: ladder.json from two parts' rows, stages/stages.json from
+    bench/stages.py itself (its runs faked)."""
+    out = tmp_path / "nvidia-x"
+    report.write_report(report.merge(None, hand_made_part(SPEEDS)), out, chart=False)
+    speeds = {"00": 20_500.0, "01-cold": 301_000.0, "01-warm": 303_000.0, "02": 299_000.0}
+    monkeypatch.setattr(stages, "measure", lambda name, args, where: stage_row(name, speeds[name]))
+    monkeypatch.setattr(stages, "describe_device", lambda args: {
+        "description": "NVIDIA X (compute capability 9.0)", "name": "NVIDIA X", "torch": "2.9.0", "cuda": "12.8",
+        "python": "3.12", "slug": "nvidia-x"})
+    assert stages.main(["--out", str(out / "stages")]) == 0
+    return out
+
+
+@pytest.fixture
+def readme(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text((ROOT / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    return path
+
+
+def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, capsys):
+    assert readme_tables.main([str(folder), "--readme", str(readme)]) == 0
+    text = readme.read_text(encoding="utf-8")
+    cells = readme_tables.measured_cells(text)
+    assert cells[0] == "20,000, 30.10" and cells[1] == "20,050, 30.00 (1.00×)" and cells[2] == "41,000, 30.00 (2.04×)"
+    assert cells[6] == "failed (see the ladder)" and cells[7] == "150,000, 8.00"  # no ratio across a failed row
+    assert cells[10] == "300,000, 15.90 (1.30×)"
+    paragraph = readme_tables.block(text, readme_tables.LADDER_BLOCK)
+    assert "NVIDIA X, PyTorch 2.9.0, CUDA 12.8, driver 570.00, 2026-01-01" in paragraph
+    assert ("All ten steps: 15.00× step 0 (the original tutorial: 11.35× on its A100); step 10 at 30.0% MFU."
+            in paragraph)
+    assert ("Did not pay on this GPU (under 2% over the step above): step 1 (mask on the fly) 1.00×, step 4 "
+            "(pinned memory) 1.00×.") in paragraph  # step 3 paid; the failed step 6 is named as failed
+    assert "Failed: step 6" in paragraph
+    assert "rung 11 (DDP, `02` on 1 GPU) 297,000 tok/s (0.99×)" in paragraph
+    results = readme_tables.block(text, readme_tables.STAGES_BLOCK)
+    assert ("| 01-warm | `python 01_opt_single_gpu.py` | 303,000 | 41.2% | 15.87 | 6.200 | 50.0 | 4.0 | 30.5 | 12.0 "
+            "| 2.0 | 0.5 | 1.0 |") in results
+    assert "01-warm over 00: 14.780× (target: at least 12×); 02 over 01-warm: 0.987× (target: within 2%)" in results
+    # the rest of the README is untouched: emptied again, it is the README as it was
+    assert readme_tables.unfilled(text) == (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme_tables.named_folder(text) == folder
+
+    assert readme_tables.main([str(folder), "--readme", str(readme), "--check"]) == 0
+    readme.write_text(text.replace("| 41,000, 30.00 (2.04×) |", "| 42,000, 30.00 (2.04×) |"), encoding="utf-8")
+    capsys.readouterr()
+    assert readme_tables.main([str(folder), "--readme", str(readme), "--check"]) == 1
+    assert "step 2: the README shows '42,000, 30.00 (2.04×)', the folder gives '41,000, 30.00 (2.04×)'" in (
+        capsys.readouterr().err)
+
+
+def test_a_ladder_at_other_settings_is_refused(folder, readme, capsys):
+    ladder = json.loads((folder / "ladder.json").read_text())
+    ladder["settings"]["batch_size"] = 8
+    (folder / "ladder.json").write_text(json.dumps(ladder))
+    before = readme.read_text(encoding="utf-8")
+    assert readme_tables.main([str(folder), "--readme", str(readme)]) == 2
+    assert "measured with --batch-size 8" in capsys.readouterr().err and readme.read_text(encoding="utf-8") == before
+    assert readme_tables.main([str(folder / "stages"), "--readme", str(readme)]) == 2  # no ladder.json there
+
+
+def test_the_readme_shows_no_gpu_figure_or_those_of_the_folder_it_names():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    named = readme_tables.named_folder(text)
+    if named is None:
+        assert text == readme_tables.unfilled(text), "a figure typed into the README by hand"
+    else:
+        assert readme_tables.main([str(named), "--check"]) == 0
