@@ -26,6 +26,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402  (needs the path above; imports no torch)
+from bench.report import read_report  # noqa: E402
+from bench.stages import _cell  # noqa: E402  (the stages' own table cells: n/a for a missing figure)
 from data import UsageError  # noqa: E402
 
 README = ROOT / "README.md"
@@ -50,20 +52,20 @@ def shown_folder(folder):
     return folder.relative_to(ROOT).as_posix() if ROOT in folder.parents else folder.as_posix()
 
 
-def read_json(path, what):
+def read_stages(path):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        raise UsageError(f"{path} cannot be read as {what} ({err})") from None
+        raise UsageError(f"{path} cannot be read as bench/stages.py's stages.json ({err})") from None
 
 
 def read_folder(folder):
     """(ladder report, stages report or None) of a results folder; a UsageError for a folder the README cannot
     show (no ladder.json, or a ladder measured at other settings than the stages' own)."""
     folder = Path(folder)
-    ladder = read_json(folder / "ladder.json", "bench/ladder.py's ladder.json")
+    ladder = read_report(folder / "ladder.json")
     if ladder is None:
         raise UsageError(f"{folder} holds no ladder.json: measure it first (python bench/ladder.py, "
                          "bench/README.md says how in parts)")
@@ -75,7 +77,7 @@ def read_folder(folder):
     if other:
         raise UsageError(f"{folder} was measured with {', '.join(other)}: the README's table shows the stages at their "
                          "own settings (python bench/ladder.py with none of these)")
-    stages = read_json(folder / "stages" / "stages.json", "bench/stages.py's stages.json")
+    stages = read_stages(folder / "stages" / "stages.json")
     if stages is not None and (stages.get("tiny") or stages.get("device_name") != ladder.get("device_name")):
         raise UsageError(f"{folder}/stages was measured {'with --tiny' if stages.get('tiny') else 'on another device'}"
                          ": the README sets the stages beside the ladder of the same GPU")
@@ -86,11 +88,11 @@ def read_folder(folder):
 # What the README shows
 # ---------------------------------------------------------------------------------------------
 
-def ratio(row):
-    """The speed-up over the row above, naming that row's step where it is not the step just before."""
+def ratio(row, name="step"):
+    """The speed-up over the row above, naming that row's step (or rung) where it is not the one just before."""
     if not row.get("speedup_vs_previous"):
         return ""
-    over = "" if row.get("previous_rung") == row["rung"] - 1 else f" over step {row['previous_rung']}"
+    over = "" if row.get("previous_rung") == row["rung"] - 1 else f" over {name} {row['previous_rung']}"
     return f" ({row['speedup_vs_previous']:.2f}×{over})"
 
 
@@ -138,14 +140,10 @@ def ladder_paragraph(ladder, folder):
             gpus = measured[number].get("world_size") or 1
             beyond.append(f"rung {number} ({SHORT[number]}, `{'02' if number == 11 else '03'}` on {gpus} "
                           f"GPU{'s' if gpus > 1 else ''}) {measured[number]['tokens_per_sec']:,.0f} tok/s"
-                          + ratio(measured[number]).replace(" over step", " over rung"))
+                          + ratio(measured[number], "rung"))
     if beyond:
         sentences.append("Beyond the table: " + "; ".join(beyond) + ".")
     return " ".join(sentences)
-
-
-def _cell(value, spec):
-    return "n/a" if value is None else format(value, spec)
 
 
 def stages_section(stages, folder):
