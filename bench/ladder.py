@@ -26,6 +26,7 @@ Where a machine stops every command after a fixed time, --time-limit keeps a par
 --check-scripts runs) is not started when the rungs of its kind this part has run say it would end after the
 limit, and the part ends by printing the command that measures what is left (with --rungs none where only the
 --check-scripts runs are). A run that outlasts that judgement is stopped at the limit and starts the next part.
+With --rungs missing the next part is the same command: it measures what the folder lacks.
 
 Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with
 --rungs none when the script checks ran; 1 when none was, 2 for a wrong command line or a part that does not
@@ -77,15 +78,20 @@ KEPT_FROM_SCRIPT_RUNS = ("metrics.json", "loss.png", "loss.pdf")
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+MISSING = "missing"  # --rungs missing: what the results folder lacks, known once the folder is
+
+
 def parse_rungs(text):
     """'all', '0,8,10' or ranges like '0-7,10' -> a sorted list of rung numbers; 'none' -> [] (--check-scripts
-    alone)."""
+    alone); 'missing' -> MISSING, resolved against the results folder by missing_rungs()."""
     from bench.rungs import ALL_RUNGS
 
     if text.strip() == "all":
         return list(ALL_RUNGS)
     if text.strip() == "none":
         return []
+    if text.strip() == MISSING:
+        return MISSING
     chosen = set()
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
@@ -107,8 +113,10 @@ def build_parser():
                         help="the stages' tiny model and batch and fewer steps: every rung in a few minutes "
                              "on a CPU")
     parser.add_argument("--rungs", type=parse_rungs,
-                        help="which rungs: 'all', a list like 0,8,10, ranges like 0-7, or 'none' (only the "
-                             "--check-scripts runs) (default: all; 0-10 with --option)")
+                        help="which rungs: 'all', a list like 0,8,10, ranges like 0-7, 'none' (only the "
+                             "--check-scripts runs), or 'missing' (those the results folder holds no row for, and "
+                             "the --check-scripts runs if it holds none of theirs: the same command again goes on "
+                             "where the last one stopped) (default: all; 0-10 with --option)")
     parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
@@ -159,7 +167,8 @@ def build_parser():
 def resolve_defaults(args):
     if args.rungs is None:
         args.rungs = parse_rungs("0-10" if args.option else "all")
-    if args.option and any(number >= 11 for number in args.rungs) and args.run_rung is None:
+    named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with --option (missing_rungs)
+    if args.option and any(number >= 11 for number in named) and args.run_rung is None:
         raise common.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
                                 "as they are): add --rungs 0-10, or a subset of it")
     if not args.rungs and not args.check_scripts:
@@ -647,6 +656,19 @@ def run_script_checks(args, device_info, logs, rows, deadline):
 # The ladder
 # ---------------------------------------------------------------------------------------------
 
+def missing_rungs(args, existing):
+    """--rungs missing: (the rungs, whether the --check-scripts runs are left) that `existing`, the folder's report,
+    lacks. A rung is missing without a row, or with the row of a rung stopped by Ctrl-C; a failed rung keeps its row
+    (name it to measure it again). The composed rungs only with --option, as --rungs all would."""
+    from bench.rungs import ALL_RUNGS
+
+    existing = existing or {}
+    measured = {row["rung"] for row in existing.get("rungs", []) if row.get("error") != report.INTERRUPTED}
+    candidates = [number for number in ALL_RUNGS if not (args.option and number >= 11)]
+    checks_left = args.check_scripts and not existing.get("script_checks")
+    return [number for number in candidates if number not in measured], checks_left
+
+
 def rung_kind(number):
     """Rungs of one kind take about as long as each other: eager (0-7), compiled (8-10: compilation first), stage
     scripts under torchrun (11-12: start-up, evaluation, a sample and a checkpoint besides)."""
@@ -695,7 +717,11 @@ def cli_rungs(numbers):
 
 def continuation_command(argv, rungs, check_scripts):
     """The command that measures what --time-limit left of this part: its own flags (argv, without the script's
-    name), with --rungs set to the rungs left and --check-scripts kept only where those runs are left too."""
+    name), with --rungs set to the rungs left and --check-scripts kept only where those runs are left too; with
+    --rungs missing, the part's own command again."""
+    if any(arg == f"--rungs={MISSING}" or arg == MISSING and before == "--rungs" for before, arg in zip(
+            ["", *argv], argv)):
+        return shlex.join(["python", "bench/ladder.py", *argv])
     kept, skip_value = [], False
     for arg in argv:
         if skip_value:
@@ -793,9 +819,16 @@ def run_ladder(args):
     device_info = describe_device(args)
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
     out = results_folder(args, device_info)
+    existing = report.read_report(out / "ladder.json")
+    if args.rungs == MISSING:
+        args.rungs, args.check_scripts = missing_rungs(args, existing)
+        if not args.rungs and not args.check_scripts:
+            print(f"--rungs missing: nothing left to measure: {out / 'ladder.json'} holds every rung"
+                  + (" and the --check-scripts runs" if existing and existing.get("script_checks") else ""),
+                  flush=True)
+            return common.EXIT_OK
     part = new_part(args, device_info, report.timestamp())
     # Every check that can refuse this part comes before anything in the folder is written.
-    existing = report.read_report(out / "ladder.json")
     if existing:
         report.refuse_a_different_part(existing, part, out / "ladder.json")
     roofline = report.find_roofline(out, args.roofline, device_info["name"], part["settings"])

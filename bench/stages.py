@@ -63,7 +63,9 @@ def build_parser():
     parser.add_argument("--tiny", action="store_true",
                         help=f"the stages' tiny model, {TINY_STEPS} steps each: a smoke test on a CPU")
     parser.add_argument("--runs", default=",".join(RUNS),
-                        help=f"which runs, comma-separated (default: all: {','.join(RUNS)}); 01-warm needs 01-cold")
+                        help=f"which runs, comma-separated (default: all: {','.join(RUNS)}); 01-warm needs 01-cold; "
+                             f"'{MISSING}': those the folder's stages.json has no row for (the same command again "
+                             "goes on where the last one stopped)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="passed to every stage (default: auto)")
     parser.add_argument("--out", help="results folder (default: bench/results/<gpu or cpu name>/stages/, "
@@ -73,12 +75,17 @@ def build_parser():
     return parser
 
 
+MISSING = "missing"
+
+
 def chosen_runs(text):
+    if text.strip() == MISSING:
+        return MISSING
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in RUNS]
     if unknown or not names:
         raise common.UsageError(f"--runs {text}: unknown {', '.join(unknown) or 'empty list'}; the runs are "
-                                f"{', '.join(RUNS)}")
+                                f"{', '.join(RUNS)}, or {MISSING}")
     if "01-warm" in names and "01-cold" not in names:
         raise common.UsageError("--runs: 01-warm reuses the compile cache that 01-cold fills: name both")
     return [name for name in RUNS if name in names]  # in their own order: cold before warm
@@ -160,6 +167,14 @@ def render_markdown(report):
     return "\n".join(lines) + "\n"
 
 
+def missing_runs(report):
+    """--runs missing: the runs without a row in `report` (a failed run keeps its row: name it to run it again),
+    01-cold with 01-warm, whose cache it fills in the same command."""
+    done = {row["run"] for row in report["runs"]}
+    names = [name for name in RUNS if name not in done]
+    return [name for name in RUNS if name in names or name == "01-cold" and "01-warm" in names]
+
+
 def earlier_parts(path, report):
     """`report` with the parts and rows a command before this one wrote into the same folder (a run measured
     again replaces its row), so that commands of under 10 minutes each fill one table; a folder measured on
@@ -201,6 +216,11 @@ def main(argv=None):
     except common.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return common.EXIT_USAGE
+    if names == MISSING:
+        names = missing_runs(report)
+        if not names:
+            print(f"--runs missing: nothing left to run: {out / 'stages.json'} holds every run")
+            return common.EXIT_OK
     report["parts"].append({"command": shlex.join(["python", "bench/stages.py",
                                                    *(argv if argv is not None else sys.argv[1:])]),
                             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),

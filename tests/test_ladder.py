@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -793,6 +794,66 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert "the --check-scripts runs were stopped at the limit after 5:40" in printed
     assert "measure it with:\n  python bench/ladder.py --rungs none --check-scripts --tiny --time-limit 400" in printed
     assert "script_checks" not in json.loads((out / "ladder.json").read_text())
+
+
+def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp_path, monkeypatch, capsys,
+                                                                             fake_clock):
+    """The same command, again and again, as on a machine that stops every command after a fixed time: each part
+    measures what the folder lacks. A rung stopped by Ctrl-C is measured again, a failed one keeps its row; the
+    --check-scripts runs come last; then there is nothing left to do."""
+    ran, calls = [], []
+
+    def measured(number, error=None):
+        return {"rung": number, "error": error, "tokens_per_sec": None if error else 1000.0 + number,
+                "tokens_per_sec_min": None if error else 990.0, "tokens_per_sec_max": None if error else 1020.0,
+                "batch_size": 4, "notes": []}
+
+    def fake_rung(number, args, logs, timeout, limit):
+        if number == 2 and len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C during rung 2 of the first command
+        ran.append(number)
+        fake_clock.now += 90.0 if number >= 8 else 60.0
+        return measured(number, error="boom" if number == 4 else None)
+
+    def fake_script_rung(number, args, device_info, logs, timeout, limit):
+        ran.append(number)
+        fake_clock.now += 100.0
+        return measured(number)
+
+    def fake_checks(args, device_info, logs, rows, deadline):
+        ran.append("checks")
+        fake_clock.now += 150.0
+        return [{"script": "00_orig.py", "rung": 0, "error": None, "tokens_per_sec": 990.0,
+                 "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}]
+
+    monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
+    monkeypatch.setattr(ladder, "run_multi_process_rung", fake_script_rung)
+    monkeypatch.setattr(ladder, "run_script_checks", fake_checks)
+    out = tmp_path / "out"
+    command = ["--rungs", "missing", "--tiny", "--check-scripts", "--time-limit", "400", "--out", str(out)]
+    codes, printed = [], []
+    for _ in range(7):
+        fake_clock.now, ran[:] = 0.0, []
+        calls.append(None)
+        codes.append(ladder.main(command))
+        printed.append(capsys.readouterr().out)
+        calls[-1] = list(ran)
+        if "nothing left to measure" in printed[-1]:
+            break
+    assert calls == [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12], ["checks"], []], printed
+    assert codes == [130, 0, 0, 0, 0, 0]
+    for text in printed[1:4]:  # each part cut by the limit names the same command for the rest
+        assert f"measure it with:\n  python bench/ladder.py {shlex.join(command)}\n" in text, text
+    assert "holds every rung and the --check-scripts runs" in printed[-1]
+    final = json.loads((out / "ladder.json").read_text())
+    rows = {row["rung"]: row for row in final["rungs"]}
+    assert sorted(rows) == list(range(13)) and rows[4]["error"] == "boom" and rows[2]["error"] is None
+    assert [check["script"] for check in final["script_checks"]] == ["00_orig.py"]
+
+    with_option = ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "missing", "--option",
+                                                                              "chunked-loss"]))
+    assert ladder.missing_rungs(with_option, final) == ([], False)  # rungs 11-12 are not an option's
+    assert ladder.missing_rungs(with_option, None) == (list(range(11)), False)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process tree is read from Linux's /proc")

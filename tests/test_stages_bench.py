@@ -97,6 +97,29 @@ def test_commands_into_one_folder_fill_one_table(tmp_path, monkeypatch):
     assert json.loads((out / "stages.json").read_text())["torch"] == "1.0.0" and len(measured) == 5
 
 
+def test_runs_missing_goes_on_where_the_folder_stopped(tmp_path, monkeypatch, capsys):
+    """--runs missing, the same command again after one was cut off: the runs without a row, with 01-cold again
+    where 01-warm is missing (its cache is gone with the command that filled it), then nothing."""
+    measured = []
+
+    def fake_measure(name, args, out):
+        measured.append(name)
+        return {"run": name, "command": name, "error": None, "steps": 1, "batch_size": 2, "avg_tok_per_sec": 1.0,
+                "mfu": None, "reserved_gb": None, "peak_reserved_gb": None, "final_val_loss": 5.0,
+                "command_seconds": 1.0, "wall_clock_s": {}}
+
+    monkeypatch.setattr(stages, "measure", fake_measure)
+    flags = ["--device", "cpu", "--out", str(tmp_path / "stages")]
+    assert stages.main(["--runs", "00,02", *flags]) == 0
+    assert stages.main(["--runs", "missing", *flags]) == 0
+    assert measured == ["00", "02", "01-cold", "01-warm"]
+    capsys.readouterr()
+    assert stages.main(["--runs", "missing", *flags]) == 0 and len(measured) == 4
+    assert "nothing left to run" in capsys.readouterr().out
+    assert stages.missing_runs({"runs": [{"run": "00"}, {"run": "01-cold"}]}) == ["01-cold", "01-warm", "02"]
+    assert stages.missing_runs({"runs": []}) == list(stages.RUNS)
+
+
 @pytest.mark.parametrize("runs, message", [("01-warm", "01-warm reuses the compile cache"),
                                            ("00,03", "unknown 03")])
 def test_a_wrong_list_of_runs_is_refused_with_one_line(runs, message, tmp_path, capsys):
