@@ -529,7 +529,9 @@ def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
 class TrainClock:
     """Accumulates training time only: start() and stop() around the steps, take() at each log line.
 
-    On CUDA it times with events and synchronizes at stop(), so queued kernels are counted in full.
+    On CUDA it times with events in the stream: stop() records one and waits for nothing, so the host keeps
+    running ahead of the GPU across a stop and a start (between profiled steps, say); take() waits for the last
+    event, so queued kernels are counted in full.
     """
 
     def __init__(self, device):
@@ -540,6 +542,7 @@ class TrainClock:
         self.torch = torch
         self.seconds = 0.0
         self._start = None
+        self._spans = []  # CUDA: (start, end) events not yet read
 
     def start(self):
         if self.cuda:
@@ -556,8 +559,7 @@ class TrainClock:
         if self.cuda:
             end = self.torch.cuda.Event(enable_timing=True)
             end.record()
-            end.synchronize()
-            self.seconds += self._start.elapsed_time(end) / 1000
+            self._spans.append((self._start, end))
         else:
             if self.mps:
                 self.torch.mps.synchronize()
@@ -565,6 +567,11 @@ class TrainClock:
         self._start = None
 
     def take(self):
+        """The seconds timed since the last take(); on CUDA it waits for the GPU to reach the last stop()."""
+        if self._spans:
+            self._spans[-1][1].synchronize()  # one stream: the earlier events have completed too
+            self.seconds += sum(start.elapsed_time(end) for start, end in self._spans) / 1000
+            self._spans = []
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 

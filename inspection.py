@@ -29,13 +29,27 @@ WORK_LABELS = {"matmul": "matmuls", "attention": "attention", "norm_activation":
 GPU_TIME_CLASSES = (*WORK_CLASSES, "communication", "copies", "idle")
 
 
+def profile_start(first_step, total_steps, eval_freq, save_every):
+    """The warm-up step of --profile: PROFILE_WAIT steps into the run, or the first step after that from which the
+    warm-up and the kept steps have no evaluation or checkpoint between them. Those run after a step, inside the
+    trace (an evaluation after the warm-up step or after a kept step but the last): their kernels and waits would
+    count as the training step's. The earliest step is kept where no later one is clear (--eval-freq 1, say)."""
+    earliest, length = first_step + PROFILE_WAIT, PROFILE_WARMUP + PROFILE_ACTIVE
+    for start in range(earliest, min(total_steps - length, earliest + 10_000) + 1):
+        if not any(step % eval_freq == 0 or (save_every and (step + 1) % save_every == 0)
+                   for step in range(start, start + length - 1)):
+            return start
+    return earliest
+
+
 class RunInspection:
     """--profile and --memory-snapshot, the same in every stage; both off: it does nothing.
 
-    --profile follows torch.profiler's schedule: PROFILE_WAIT steps not recorded (the first compiles),
-    PROFILE_WARMUP recorded and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps
-    run off the training clock (profiling slows them), and the stage labels the regions of each step with
-    region(). --memory-snapshot records the CUDA caching allocator's history over the first SNAPSHOT_STEPS
+    --profile follows torch.profiler's schedule: PROFILE_WAIT steps or more not recorded (the first compiles;
+    more where an evaluation would fall among the steps that follow: profile_start), PROFILE_WARMUP recorded
+    and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps run off the training clock
+    (profiling slows them), and so does the step before them, which ends by switching the profiler on; the
+    stage labels the regions of each step with region(). --memory-snapshot records the CUDA caching allocator's history over the first SNAPSHOT_STEPS
     steps, which also run off the clock (recording every allocation slows them, and the dump after the last
     synchronizes and pickles). In a distributed run only rank 0 profiles and writes. Steps are numbered from 0
     as in the log lines, and the trace's ProfilerStep#N labels use the same numbers.
@@ -52,9 +66,10 @@ class RunInspection:
         self.report = None
         if args.memory_snapshot and not self.cuda:
             raise UsageError("--memory-snapshot records the CUDA caching allocator: it needs a GPU (--device cuda)")
-        profiled_last = first_step + PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE  # one past the last, 0-based
+        start = profile_start(first_step, total_steps, args.eval_freq, args.save_every)  # the warm-up step
+        profiled_last = start + PROFILE_WARMUP + PROFILE_ACTIVE  # one past the last, 0-based
         if args.profile and total_steps < profiled_last:
-            raise UsageError(f"--profile records steps {first_step + PROFILE_WAIT + PROFILE_WARMUP} to "
+            raise UsageError(f"--profile records steps {start + PROFILE_WARMUP} to "
                              f"{profiled_last - 1} of this run, but its last step is {total_steps - 1}: use "
                              f"--max-steps {profiled_last} or more (or 0)")
         is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
@@ -65,11 +80,12 @@ class RunInspection:
             self.profiler = torch.profiler.profile(
                 activities=activities, on_trace_ready=self._write_trace,
                 schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE,
-                                                 repeat=1, skip_first=first_step),
+                                                 repeat=1, skip_first=start - PROFILE_WAIT),
                 acc_events=True)  # one cycle, so nothing accumulates; without it PyTorch 2.11 warns that it would not
             self.profiler.step_num = first_step  # ProfilerStep#N: N is the log's step number, also after --resume
             self.profiler.start()
-            self.profiled_steps = range(first_step + PROFILE_WAIT, profiled_last)  # warm-up and active: off the clock
+            self.profiled_steps = range(start, profiled_last)  # warm-up and active
+            self.off_clock_steps = range(start - 1, profiled_last)  # and the step that switches the profiler on
         if args.memory_snapshot and is_writer:
             # Python stacks only: the C++ frames ("all", the default) are symbolized at the dump, which can take
             # minutes at this size; the Python lines are what memory_viz shows a reader of the stage
@@ -80,7 +96,7 @@ class RunInspection:
 
     def off_clock(self, step):
         """Whether step `step` (0-based) is profiled or recorded for the snapshot, and so left off the clock."""
-        return ((self.profiler is not None and step in self.profiled_steps)
+        return ((self.profiler is not None and step in self.off_clock_steps)
                 or self.snapshot is not None)  # still recording
 
     def region(self, name):
@@ -185,6 +201,9 @@ KERNEL_NAME_CLASSES = (
     ("loss", ("log_softmax", "logsoftmax", "nll_loss", "cross_entropy", "crossentropy")),
     ("attention", ("softmax",)),  # an eager softmax is the attention's (00); the loss's is a log_softmax
     ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "splitkreduce", "triton_tem", "wgmma")),
+    # FSDP2's copies into and out of its all-gather and reduce-scatter buffers (a foreach copy, _chunk_cat,
+    # split_with_sizes_copy): before "optimizer", whose multi_tensor_apply the foreach copy shares
+    ("copies", ("copy<", "chunk_cat", "split_with_sizes_copy")),
     ("optimizer", ("adam", "multi_tensor_apply")),
     ("norm_activation", ("layer_norm", "layernorm", "gelu", "tanh")),
 )

@@ -628,28 +628,31 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
     return row
 
 
-def run_script_checks(args, device_info, logs, rows, deadline):
-    """--check-scripts: run 00 and 01 as they are and set their own clock beside rungs 0 and 10."""
+def script_checks():
+    """--check-scripts: (script, the rung it is set beside): 00 and 01 as they are, beside rungs 0 and 10."""
     from bench.rungs import STAGE_00, STAGE_01
 
-    checks = []
-    for script_name, rung in ((STAGE_00, 0), (STAGE_01, 10)):
-        print(f"Cross-check: {script_name} as it is, for rung {rung}", flush=True)
-        stem = Path(script_name).stem
-        result = run_stage_script(script_name, [sys.executable], args, device_info, logs / f"script-{stem}.log",
-                                  logs / f"script-{stem}-run", *run_timeout(args, deadline))
-        ladder_row = next((row for row in rows if row["rung"] == rung), None)
-        ladder_speed = ladder_row.get("tokens_per_sec") if ladder_row else None
-        checks.append({
-            "script": script_name, "rung": rung, "error": result["error"], "timed_out": result.get("timed_out"),
-            "tokens_per_sec": result.get("tokens_per_sec"), "tokens_per_sec_min": result.get("tokens_per_sec_min"),
-            "tokens_per_sec_max": result.get("tokens_per_sec_max"), "rung_tokens_per_sec": ladder_speed,
-            "script_over_rung": (result["tokens_per_sec"] / ladder_speed
-                                 if result.get("tokens_per_sec") and ladder_speed else None),
-            "peak_reserved_gb": result.get("peak_reserved_gb"),
-        })
-        print(f"Cross-check: {script_name}: {summarize(checks[-1])}", flush=True)
-    return checks
+    return ((STAGE_00, 0), (STAGE_01, 10))
+
+
+def run_script_check(script_name, rung, args, device_info, logs, rows, deadline):
+    """Run one stage script as it is and set its own clock beside its rung's row (among `rows`)."""
+    print(f"Cross-check: {script_name} as it is, for rung {rung}", flush=True)
+    stem = Path(script_name).stem
+    result = run_stage_script(script_name, [sys.executable], args, device_info, logs / f"script-{stem}.log",
+                              logs / f"script-{stem}-run", *run_timeout(args, deadline))
+    ladder_row = next((row for row in rows if row["rung"] == rung), None)
+    ladder_speed = ladder_row.get("tokens_per_sec") if ladder_row else None
+    check = {
+        "script": script_name, "rung": rung, "error": result["error"], "timed_out": result.get("timed_out"),
+        "tokens_per_sec": result.get("tokens_per_sec"), "tokens_per_sec_min": result.get("tokens_per_sec_min"),
+        "tokens_per_sec_max": result.get("tokens_per_sec_max"), "rung_tokens_per_sec": ladder_speed,
+        "script_over_rung": (result["tokens_per_sec"] / ladder_speed
+                             if result.get("tokens_per_sec") and ladder_speed else None),
+        "peak_reserved_gb": result.get("peak_reserved_gb"),
+    }
+    print(f"Cross-check: {script_name}: {summarize(check)}", flush=True)
+    return check
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,14 +661,16 @@ def run_script_checks(args, device_info, logs, rows, deadline):
 
 def missing_rungs(args, existing):
     """--rungs missing: (the rungs, whether the --check-scripts runs are left) that `existing`, the folder's report,
-    lacks. A rung is missing without a row, or with the row of a rung stopped by Ctrl-C; a failed rung keeps its row
-    (name it to measure it again). The composed rungs only with --option, as --rungs all would."""
+    lacks. A rung is missing without a row, or with the row of a rung stopped by Ctrl-C; a failed rung (or script
+    check) keeps its row (name it to measure it again). The composed rungs only with --option, as --rungs all
+    would. The script checks left are those of the scripts the folder has no check of."""
     from bench.rungs import ALL_RUNGS
 
     existing = existing or {}
     measured = {row["rung"] for row in existing.get("rungs", []) if row.get("error") != report.INTERRUPTED}
     candidates = [number for number in ALL_RUNGS if not (args.option and number >= 11)]
-    checks_left = args.check_scripts and not existing.get("script_checks")
+    checked = {check["script"] for check in existing.get("script_checks", [])}
+    checks_left = args.check_scripts and any(script not in checked for script, _ in script_checks())
     return [number for number in candidates if number not in measured], checks_left
 
 
@@ -813,14 +818,17 @@ def run_ladder(args):
     from bench.rungs import CHANGES
     from data import load_text
 
-    clock_start = time.monotonic()  # --time-limit counts from here: the device query below starts CUDA, seconds
+    # --time-limit counts from the command's start: importing torch came before this line, and the device query
+    # below starts CUDA, seconds
+    clock_start = time.monotonic() - args.started_seconds_ago
     deadline = clock_start + args.time_limit if args.time_limit else None
     load_text(args.data)  # a wrong --data fails here, once, with exit code 2 (and middlemarch is cached once)
     device_info = describe_device(args)
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
     out = results_folder(args, device_info)
     existing = report.read_report(out / "ladder.json")
-    if args.rungs == MISSING:
+    missing = args.rungs == MISSING
+    if missing:
         args.rungs, args.check_scripts = missing_rungs(args, existing)
         if not args.rungs and not args.check_scripts:
             print(f"--rungs missing: nothing left to measure: {out / 'ladder.json'} holds every rung"
@@ -894,26 +902,35 @@ def run_ladder(args):
             break
 
     if args.check_scripts and not stopped:
-        elapsed = time.monotonic() - clock_start
-        expected = expected_seconds([rung_kind(0), rung_kind(10)], seconds_by_kind)  # 00 and 01 as they are
-        checks_left = bool(not_started) or past_the_limit(args, elapsed, expected)
-        if checks_left and not not_started:
-            print(f"--time-limit {args.time_limit} s: the --check-scripts runs would end at about "
-                  f"{format_duration(elapsed + expected)}: not started", flush=True)
-        if not checks_left:
-            try:
-                rows_so_far = report.merge(existing, part)["rungs"]  # the folder's too (--rungs none)
-                checks_start = time.monotonic()
-                checks = run_script_checks(args, device_info, logs, rows_so_far, deadline)
-                if any([cut_at_the_limit(check) for check in checks]) and rows:
-                    checks_left = True  # a part of their own, which gives them the whole limit
-                    print(f"--time-limit {args.time_limit} s: the --check-scripts runs were stopped at the limit "
-                          f"after {format_duration(time.monotonic() - checks_start)}, longer than judged: not kept; "
-                          "they make the next part", flush=True)
-                else:
-                    part["script_checks"] = checks
+        checked = {check["script"] for check in (existing or {}).get("script_checks", [])} if missing else set()
+        checks, checks_left = [], bool(not_started)
+        for script_name, rung in [] if checks_left else script_checks():
+            if script_name in checked:  # --rungs missing: the folder has it
+                continue
+            elapsed = time.monotonic() - clock_start
+            expected = expected_seconds([rung_kind(rung)], seconds_by_kind)
+            if past_the_limit(args, elapsed, expected):
+                checks_left = True
+                print(f"--time-limit {args.time_limit} s: the --check-scripts run of {script_name} would end at "
+                      f"about {format_duration(elapsed + expected)}: not started", flush=True)
+                break
+            check_start = time.monotonic()
+            try:  # against the rows of the folder too (--rungs none)
+                check = run_script_check(script_name, rung, args, device_info, logs,
+                                         report.merge(existing, part)["rungs"], deadline)
             except KeyboardInterrupt as err:
                 stopped = err
+                break
+            if cut_at_the_limit(check) and (rows or checks):  # the first run of a part keeps its failed check
+                checks_left = True
+                print(f"--time-limit {args.time_limit} s: the --check-scripts run of {script_name} was stopped at "
+                      f"the limit after {format_duration(time.monotonic() - check_start)}, longer than judged: not "
+                      "kept; it starts the next part", flush=True)
+                break
+            checks.append(check)
+            seconds_by_kind.setdefault(rung_kind(rung), []).append(time.monotonic() - check_start)
+        if checks:
+            part["script_checks"] = checks  # each finished check is kept, whatever stops the next one
     part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
     merged = report.merge(existing, part)
     markdown = report.write_report(merged, out, roofline)
@@ -940,6 +957,7 @@ def main(argv=None):
     try:
         args = resolve_defaults(build_parser().parse_args(argv))
         args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for the table and --time-limit's advice
+        args.started_seconds_ago = common.process_age() if argv is None else 0.0  # a command: its interpreter too
         if args.run_rung is not None:
             return run_rung_main(args)
         if args.describe_device:

@@ -74,13 +74,16 @@ OPTIONS = {
     "chunked-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's: the output head and the loss in "
                     f"chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient made in the forward, so the "
                     "logits are never kept whole (rungs 4-10, whose loss is 01's)",
-    "expandable-segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
+    "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
 }
 # Options that act through the environment a rung's process starts with (the allocator reads it once, at CUDA's
 # initialization): the ladder sets it when it starts the rung.
-OPTION_ENVIRONMENT = {"expandable-segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+# PYTORCH_ALLOC_CONF is the name PyTorch reads first since 2.9; before, only PYTORCH_CUDA_ALLOC_CONF (now its
+# deprecated fallback, ignored where the new name is set): both, so that no setting of the machine's wins.
+OPTION_ENVIRONMENT = {"expandable-segments": {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                                              "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 SINGLE_PROCESS_RUNGS = range(0, 11)
 MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
 ALL_RUNGS = range(0, 13)

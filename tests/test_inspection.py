@@ -16,6 +16,7 @@ REGIONS = ("forward with loss", "backward", "optimizer step")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 PROFILED = range(inspection.PROFILE_WAIT,
                  inspection.PROFILE_WAIT + inspection.PROFILE_WARMUP + inspection.PROFILE_ACTIVE)
+OFF_CLOCK = range(PROFILED.start - 1, PROFILED.stop)  # and the step that ends by switching the profiler on
 
 
 @pytest.mark.parametrize("script", ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py"))
@@ -53,7 +54,7 @@ def test_profile_writes_a_trace_with_the_labelled_regions_and_keeps_those_steps_
     previous_step = -1
     for entry in metrics["log"]:  # tok/s counts the steps of each interval that were not profiled
         steps = range(previous_step + 1, entry["step"] + 1)
-        timed = [step for step in steps if step not in PROFILED]
+        timed = [step for step in steps if step not in OFF_CLOCK]
         assert entry["timed_tokens"] == len(timed) * tokens_per_step, (entry["step"], entry["timed_tokens"])
         assert (entry["step_tok_per_sec"] is None) == (not timed)
         previous_step = entry["step"]
@@ -133,7 +134,39 @@ class CudaCalls:
 def inspection_args(tmp_path, **flags):
     import argparse
 
-    return argparse.Namespace(**{"out": tmp_path, "profile": False, "memory_snapshot": False, **flags})
+    return argparse.Namespace(**{"out": tmp_path, "profile": False, "memory_snapshot": False, "eval_freq": 100,
+                                 "save_every": 0, **flags})
+
+
+def test_the_profiled_steps_move_past_an_evaluation_that_would_fall_among_them():
+    """An evaluation or a checkpoint after the warm-up step or a kept step (but the last) runs inside the trace:
+    the window starts later, at the first step where none does, or where it always did if none is clear."""
+    start = inspection.profile_start
+    assert inspection.PROFILE_WAIT == 5 and inspection.PROFILE_WARMUP + inspection.PROFILE_ACTIVE == 4
+    assert start(0, 100, 20, 0) == 5  # the defaults: evaluations at 0, 20, ...
+    assert start(0, 100, 5, 0) == 6  # --tiny's --eval-freq 5: not after step 5
+    assert start(0, 100, 4, 0) == 5  # 8 is the last kept step: its evaluation comes after the trace
+    assert start(10, 100, 4, 0) == 17  # resumed at step 10: 16 is an evaluation
+    assert start(0, 100, 100, 8) == 8  # --save-every 8: a checkpoint after step 7
+    assert start(0, 100, 1, 0) == 5 and start(0, 9, 5, 0) == 5  # nothing clear, or no room: the earliest
+
+
+def test_a_moved_window_is_what_the_profiler_records_and_what_the_clock_leaves_out(tmp_path):
+    import torch
+
+    inspector = inspection.RunInspection(inspection_args(tmp_path, profile=True, eval_freq=5), torch.device("cpu"),
+                                         0, 20)
+    off_clock = []
+    for step in range(20):
+        off_clock.append(inspector.off_clock(step))
+        with inspector.region("forward with loss"):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        inspector.step_done(step)
+    assert [step for step, off in enumerate(off_clock) if off] == [5, 6, 7, 8, 9]
+    events = json.loads(next((tmp_path / "profile").iterdir()).read_text())["traceEvents"]
+    assert sorted({event["name"] for event in events if event.get("name", "").startswith("ProfilerStep#")}) == [
+        "ProfilerStep#7", "ProfilerStep#8", "ProfilerStep#9"]
+    assert inspector.report.startswith("Profile of steps 7-9 ")
 
 
 def test_profiled_steps_on_cuda_wait_for_the_gpu_only_where_a_step_could_leak_into_the_kept_ones(monkeypatch,

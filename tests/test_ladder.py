@@ -392,11 +392,12 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
         # the allocator reads its settings once: the ladder starts the rung's process with them, and a process
         # without them refuses the option rather than measure the default allocator under its name
         assert rungs.option_environment(["memory-budget", "expandable-segments"]) == {
-            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-        with pytest.raises(ValueError, match="expandable_segments:True"):
+            "PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the old name alone: 2.9+ may
+        with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF"):  # read the machine's setting of the new one
             rungs.apply_options(["expandable-segments"])
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         rungs.apply_options(["expandable-segments"])
     finally:
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
@@ -470,7 +471,7 @@ def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
     done = run_script("bench/ladder.py", "--tiny", "--rungs", "6", "--warmup", "1", "--steps", "2", "--data",
                       small_text, "--option", "coordinate-descent", "--option", "chunked-loss", "--option",
                       "expandable-segments", "--out", out, timeout=300,
-                      env={"PYTORCH_CUDA_ALLOC_CONF": ""})  # the rung's setting must come from the ladder
+                      env={"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""})  # set by the ladder
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     measured = json.loads((out / "ladder.json").read_text())
     assert measured["settings"]["options"] == "chunked-loss,coordinate-descent,expandable-segments"
@@ -717,14 +718,14 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
 
     checked = []
 
-    def fake_checks(args, device_info, logs, rows, deadline):
-        clock.now += 210.0
+    def fake_check(script_name, rung, args, device_info, logs, rows, deadline):
+        clock.now += 105.0
         checked.append(sorted(row["rung"] for row in rows))
-        return [{"script": "00_orig.py", "rung": 0, "error": None, "tokens_per_sec": 990.0, "tokens_per_sec_min": 980.0,
-                 "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}]
+        return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
+                "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
 
     monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
-    monkeypatch.setattr(ladder, "run_script_checks", fake_checks)
+    monkeypatch.setattr(ladder, "run_script_check", fake_check)
     out = tmp_path / "out"
     flags = ["--tiny", "--check-scripts", "--time-limit", "400", "--out", str(out)]
     assert ladder.main(["--rungs", "0-10", *flags]) == 0
@@ -737,7 +738,7 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
 
     clock.now = 0.0
     assert ladder.main(["--rungs", "none", *flags]) == 0
-    assert checked == [[0, 1, 2, 3, 4, 5]]  # the folder's rows, for the checks to compare with
+    assert checked == [[0, 1, 2, 3, 4, 5]] * 2  # the folder's rows, for the checks to compare with
     assert "--time-limit: the rest" not in capsys.readouterr().out
     with pytest.raises(common.UsageError, match="--rungs none measures nothing"):
         ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "none"]))
@@ -782,18 +783,27 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert ladder.main(["--rungs", "0", "--tiny", "--out", str(out)]) == 0
     assert timeouts == [(0, 900, "--rung-timeout")]
 
-    def hanging_checks(args, device_info, logs, rows, deadline):  # the script checks outlast their judgement too
+    def hanging_check(script_name, rung, args, device_info, logs, rows, deadline):  # checks can outlast it too
+        if script_name == "00_orig.py" and hang == "00":
+            fake_clock.now += 60.0
+            return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
+                    "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
         timeout, limit = ladder.run_timeout(args, deadline)
         fake_clock.now += timeout
-        return [{"script": "00_orig.py", "rung": 0, **ladder.timed_out(timeout, limit)}]
+        return {"script": script_name, "rung": rung, **ladder.timed_out(timeout, limit)}
 
-    monkeypatch.setattr(ladder, "run_script_checks", hanging_checks)
-    fake_clock.now = 0.0
+    monkeypatch.setattr(ladder, "run_script_check", hanging_check)
+    fake_clock.now, hang = 0.0, "00 and 01"
     assert ladder.main(["--rungs", "0", "--check-scripts", *flags]) == 0
     printed = capsys.readouterr().out
-    assert "the --check-scripts runs were stopped at the limit after 5:40" in printed
+    assert "the --check-scripts run of 00_orig.py was stopped at the limit after 5:40" in printed
     assert "measure it with:\n  python bench/ladder.py --rungs none --check-scripts --tiny --time-limit 400" in printed
     assert "script_checks" not in json.loads((out / "ladder.json").read_text())
+    fake_clock.now, hang = 0.0, "00"  # 00 finishes, 01 is stopped at the limit: 00's check is kept
+    assert ladder.main(["--rungs", "0", "--check-scripts", *flags]) == 0
+    assert "run of 01_opt_single_gpu.py was stopped at the limit after 4:40" in capsys.readouterr().out
+    checks = json.loads((out / "ladder.json").read_text())["script_checks"]
+    assert [(check["script"], check["tokens_per_sec"]) for check in checks] == [("00_orig.py", 990.0)]
 
 
 def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp_path, monkeypatch, capsys,
@@ -820,15 +830,15 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
         fake_clock.now += 100.0
         return measured(number)
 
-    def fake_checks(args, device_info, logs, rows, deadline):
-        ran.append("checks")
+    def fake_check(script_name, rung, args, device_info, logs, rows, deadline):
+        ran.append(script_name)
         fake_clock.now += 150.0
-        return [{"script": "00_orig.py", "rung": 0, "error": None, "tokens_per_sec": 990.0,
-                 "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}]
+        return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
+                "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
 
     monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
     monkeypatch.setattr(ladder, "run_multi_process_rung", fake_script_rung)
-    monkeypatch.setattr(ladder, "run_script_checks", fake_checks)
+    monkeypatch.setattr(ladder, "run_script_check", fake_check)
     out = tmp_path / "out"
     command = ["--rungs", "missing", "--tiny", "--check-scripts", "--time-limit", "400", "--out", str(out)]
     codes, printed = [], []
@@ -840,7 +850,8 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
         calls[-1] = list(ran)
         if "nothing left to measure" in printed[-1]:
             break
-    assert calls == [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12], ["checks"], []], printed
+    assert calls == [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, "00_orig.py"], ["01_opt_single_gpu.py"],
+                     []], printed
     assert codes == [130, 0, 0, 0, 0, 0]
     for text in printed[1:4]:  # each part cut by the limit names the same command for the rest
         assert f"measure it with:\n  python bench/ladder.py {shlex.join(command)}\n" in text, text
@@ -848,7 +859,7 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
     final = json.loads((out / "ladder.json").read_text())
     rows = {row["rung"]: row for row in final["rungs"]}
     assert sorted(rows) == list(range(13)) and rows[4]["error"] == "boom" and rows[2]["error"] is None
-    assert [check["script"] for check in final["script_checks"]] == ["00_orig.py"]
+    assert [check["script"] for check in final["script_checks"]] == ["00_orig.py", "01_opt_single_gpu.py"]
 
     with_option = ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "missing", "--option",
                                                                               "chunked-loss"]))

@@ -239,6 +239,38 @@ def test_the_clock_waits_for_the_apple_gpu(monkeypatch):
     assert calls == ["sync", "sync"] and clock.take() >= 0
 
 
+def test_the_cuda_clock_waits_only_when_read(monkeypatch):
+    """CUDA: stop() records an event and waits for nothing (a wait there would starve the GPU between profiled
+    steps, which are off the clock, and show up as idle time in the profile); take() waits for the last event
+    and adds up every span, queued kernels included."""
+    waits, now = [], iter(range(0, 1000, 100))
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = next(now)  # milliseconds, as the GPU would stamp them
+
+        def synchronize(self):
+            waits.append(self.at)
+
+        def elapsed_time(self, end):
+            assert waits, "read before the GPU reached the event"
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = common.TrainClock(torch.device("cuda"))
+    for _ in range(3):  # 100 ms each
+        clock.start()
+        clock.stop()
+    clock.stop()  # stopped already: nothing
+    assert waits == []
+    assert clock.take() == pytest.approx(0.3) and waits == [500]
+    assert clock.take() == 0.0 and waits == [500]
+
+
 def test_the_checkpoint_keeps_the_apple_gpus_random_state(monkeypatch):
     state = torch.tensor([1, 2, 3], dtype=torch.uint8)
     restored = []

@@ -42,6 +42,12 @@ KERNELS = {
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >": (
         "elementwise"),
     "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+    # FSDP2 (stage 03): the foreach copy into the all-gather buffer, the gradients' copy into the reduce-scatter one
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<2>, at::native::(anonymous namespace)::UnaryOpFunctor<c10::BFloat16, 2, 1, 1>, "
+    "at::native::Copy<float, c10::BFloat16> >(...)": "copies",
+    "void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<float, float>(...)": "copies",
+    "void at::native::(anonymous namespace)::split_with_sizes_copy_out_contiguous_no_cast_kernel(...)": "copies",
 }
 
 
