@@ -121,7 +121,8 @@ def test_01_peak_memory_is_what_the_partition_model_says(run_01, report):
 def test_02_trains_at_full_size_under_torchrun(run_02, report):  # budget: run_02's
     metrics = check_full_size_run(run_02, "02 (torchrun, 1 process, NCCL)", report)
     assert metrics["world_size"] == 1 and "world size: 1" in run_02.stdout, run_02.describe()
-    assert "Weight checksums of the 1 ranks: identical" in run_02.stdout, run_02.describe()
+    # one rank has nothing to compare its weights with: 02 keeps its checksum and prints no comparison
+    assert len(metrics["weight_checksums"]) == 1 and "Weight checksums" not in run_02.stdout, run_02.describe()
 
 
 def test_03_trains_at_full_size_under_torchrun_with_fsdp2(run_03, report):  # budget: run_03's
