@@ -300,7 +300,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 1}"
             off_clock = inspector.off_clock(global_step + 1)  # a profiled step is slower: not timed
             if off_clock:
-                clock.stop()
+                clock.stop(wait=False)  # the events count queued kernels: let the GPU run on
             optimizer.zero_grad()
             with inspector.region("forward with loss"):
                 loss = calc_loss_batch(input_batch, target_batch, model, device)

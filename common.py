@@ -529,9 +529,11 @@ def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
 class TrainClock:
     """Accumulates training time only: start() and stop() around the steps, take() at each log line.
 
-    On CUDA it times with events in the stream: stop() records one and waits for nothing, so the host keeps
-    running ahead of the GPU across a stop and a start (between profiled steps, say); take() waits for the last
-    event, so queued kernels are counted in full.
+    On CUDA it times with events in the stream, so queued kernels are counted in full: stop() waits for the GPU
+    to reach its event (what follows, an evaluation or a sample, then starts on an idle GPU, and the host's wall
+    clock gives training its own time), except stop(wait=False), between steps that run off the clock (profiled
+    ones), where a wait would leave the GPU idle before the next step, as training never does; take() reads the
+    events, after waiting for the last.
     """
 
     def __init__(self, device):
@@ -553,13 +555,15 @@ class TrainClock:
                 self.torch.mps.synchronize()
             self._start = time.perf_counter()
 
-    def stop(self):
+    def stop(self, wait=True):
         if self._start is None:
             return
         if self.cuda:
             end = self.torch.cuda.Event(enable_timing=True)
             end.record()
             self._spans.append((self._start, end))
+            if wait:
+                end.synchronize()
         else:
             if self.mps:
                 self.torch.mps.synchronize()

@@ -239,10 +239,11 @@ def test_the_clock_waits_for_the_apple_gpu(monkeypatch):
     assert calls == ["sync", "sync"] and clock.take() >= 0
 
 
-def test_the_cuda_clock_waits_only_when_read(monkeypatch):
-    """CUDA: stop() records an event and waits for nothing (a wait there would starve the GPU between profiled
-    steps, which are off the clock, and show up as idle time in the profile); take() waits for the last event
-    and adds up every span, queued kernels included."""
+def test_the_cuda_clock_lets_the_gpu_run_on_between_off_clock_steps(monkeypatch):
+    """CUDA: stop(wait=False), between steps that are off the clock, records an event and waits for nothing (a wait
+    there would starve the GPU before each profiled step and show up as idle time in the profile); stop() waits
+    (what follows is not training); take() waits for the last event and adds up every span, queued kernels
+    included."""
     waits, now = [], iter(range(0, 1000, 100))
 
     class FakeEvent:
@@ -264,11 +265,14 @@ def test_the_cuda_clock_waits_only_when_read(monkeypatch):
     clock = common.TrainClock(torch.device("cuda"))
     for _ in range(3):  # 100 ms each
         clock.start()
-        clock.stop()
+        clock.stop(wait=False)
     clock.stop()  # stopped already: nothing
     assert waits == []
     assert clock.take() == pytest.approx(0.3) and waits == [500]
     assert clock.take() == 0.0 and waits == [500]
+    clock.start()
+    clock.stop()
+    assert waits == [500, 700] and clock.take() == pytest.approx(0.1)
 
 
 def test_the_checkpoint_keeps_the_apple_gpus_random_state(monkeypatch):
