@@ -15,7 +15,8 @@ instead of compiling again. Each run here gets a cache folder of its own, empty,
 reuses 01-cold's, so "cold" and "warm" mean the same on every machine, whatever ran there before. The caches
 are deleted at the end. Commands into the same folder fill one table (`--runs 00,01-cold,01-warm`, then
 `--runs 02`, where one command may run for at most 10 minutes): a run measured again replaces its row, and a folder
-measured on another GPU, PyTorch or CUDA is refused.
+measured on another GPU, PyTorch or CUDA is refused. `--runs missing` runs what the folder lacks, so the same command
+again goes on where one cut off stopped.
 
 Every stage ends its log with its wall clock split into start-up, compilation, training, evaluation,
 sampling and outputs (metrics.json's wall_clock_s); this script sets those side by side with the whole
