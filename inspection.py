@@ -36,10 +36,15 @@ def profile_start(first_step, total_steps, eval_freq, save_every):
     count as the training step's. The earliest step is kept where no later one is clear (--eval-freq 1, say)."""
     earliest, length = first_step + PROFILE_WAIT, PROFILE_WARMUP + PROFILE_ACTIVE
     for start in range(earliest, min(total_steps - length, earliest + 10_000) + 1):
-        if not any(step % eval_freq == 0 or (save_every and (step + 1) % save_every == 0)
-                   for step in range(start, start + length - 1)):
+        if window_is_clear(start, eval_freq, save_every):
             return start
     return earliest
+
+
+def window_is_clear(start, eval_freq, save_every):
+    """Whether no evaluation or checkpoint follows the profile's warm-up step `start` or a kept step but the last."""
+    return not any(step % eval_freq == 0 or (save_every and (step + 1) % save_every == 0)
+                   for step in range(start, start + PROFILE_WARMUP + PROFILE_ACTIVE - 1))
 
 
 class RunInspection:
@@ -85,6 +90,12 @@ class RunInspection:
             self.profiler.step_num = first_step  # ProfilerStep#N: N is the log's step number, also after --resume
             self.profiler.start()
             self.profiled_steps = range(start, profiled_last)  # warm-up and active
+            if not window_is_clear(start, args.eval_freq, args.save_every):
+                clear = profile_start(first_step, first_step + 20_000, args.eval_freq, args.save_every)
+                print(f"--profile: an evaluation or a checkpoint falls among profiled steps {start}-"
+                      f"{profiled_last - 1}, and this run ends too soon to move past it: its work is in the trace"
+                      + (f" (--max-steps {clear + PROFILE_WARMUP + PROFILE_ACTIVE} moves the window clear of it)"
+                         if window_is_clear(clear, args.eval_freq, args.save_every) else ""), flush=True)
             self.off_clock_steps = range(start - 1, profiled_last)  # and the step that switches the profiler on
         if args.memory_snapshot and is_writer:
             # Python stacks only: the C++ frames ("all", the default) are symbolized at the dump, which can take

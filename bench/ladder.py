@@ -114,9 +114,9 @@ def build_parser():
                              "on a CPU")
     parser.add_argument("--rungs", type=parse_rungs,
                         help="which rungs: 'all', a list like 0,8,10, ranges like 0-7, 'none' (only the "
-                             "--check-scripts runs), or 'missing' (those the results folder holds no row for, and "
-                             "the --check-scripts runs if it holds none of theirs: the same command again goes on "
-                             "where the last one stopped) (default: all; 0-10 with --option)")
+                             "--check-scripts runs the results folder lacks), or 'missing' (the rungs the folder "
+                             "holds no row for, then the --check-scripts runs it lacks: the same command again goes "
+                             "on where the last one stopped) (default: all; 0-10 with --option)")
     parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
@@ -827,18 +827,17 @@ def run_ladder(args):
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
     out = results_folder(args, device_info)
     existing = report.read_report(out / "ladder.json")
-    missing = args.rungs == MISSING
+    missing, checks_asked = args.rungs == MISSING, args.check_scripts
     if missing:
         args.rungs, args.check_scripts = missing_rungs(args, existing)
-        if not args.rungs and not args.check_scripts:
-            print(f"--rungs missing: nothing left to measure: {out / 'ladder.json'} holds every rung"
-                  + (" and the --check-scripts runs" if existing and existing.get("script_checks") else ""),
-                  flush=True)
-            return common.EXIT_OK
     part = new_part(args, device_info, report.timestamp())
     # Every check that can refuse this part comes before anything in the folder is written.
     if existing:
         report.refuse_a_different_part(existing, part, out / "ladder.json")
+    if missing and not args.rungs and not args.check_scripts:
+        print(f"--rungs missing: nothing left to measure: {out / 'ladder.json'} holds every rung"
+              + (" and every --check-scripts run" if checks_asked else ""), flush=True)
+        return common.EXIT_OK
     roofline = report.find_roofline(out, args.roofline, device_info["name"], part["settings"])
     logs = out / "logs"
     try:
@@ -902,10 +901,13 @@ def run_ladder(args):
             break
 
     if args.check_scripts and not stopped:
-        checked = {check["script"] for check in (existing or {}).get("script_checks", [])} if missing else set()
+        # --rungs missing and --rungs none (a part of checks alone, what --time-limit prints for the checks left)
+        # run the checks the folder lacks; a part with rungs runs them all again, against its new rows
+        checked = ({check["script"] for check in (existing or {}).get("script_checks", [])}
+                   if missing or not args.rungs else set())
         checks, checks_left = [], bool(not_started)
         for script_name, rung in [] if checks_left else script_checks():
-            if script_name in checked:  # --rungs missing: the folder has it
+            if script_name in checked:
                 continue
             elapsed = time.monotonic() - clock_start
             expected = expected_seconds([rung_kind(rung)], seconds_by_kind)

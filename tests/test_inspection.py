@@ -151,6 +151,17 @@ def test_the_profiled_steps_move_past_an_evaluation_that_would_fall_among_them()
     assert start(0, 100, 1, 0) == 5 and start(0, 9, 5, 0) == 5  # nothing clear, or no room: the earliest
 
 
+def test_a_window_that_cannot_move_says_so(tmp_path, capsys):
+    import torch
+
+    args = inspection_args(tmp_path, profile=True, eval_freq=5)
+    inspection.RunInspection(args, torch.device("cpu"), 0, 9).profiler.stop()
+    assert ("an evaluation or a checkpoint falls among profiled steps 5-8, and this run ends too soon to move past "
+            "it: its work is in the trace (--max-steps 10 moves the window clear of it)") in capsys.readouterr().out
+    inspection.RunInspection(args, torch.device("cpu"), 0, 10).profiler.stop()
+    assert capsys.readouterr().out == ""
+
+
 def test_a_moved_window_is_what_the_profiler_records_and_what_the_clock_leaves_out(tmp_path):
     import torch
 

@@ -784,26 +784,35 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert timeouts == [(0, 900, "--rung-timeout")]
 
     def hanging_check(script_name, rung, args, device_info, logs, rows, deadline):  # checks can outlast it too
+        checks_run.append(script_name)
         if script_name == "00_orig.py" and hang == "00":
             fake_clock.now += 60.0
             return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
                     "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
         timeout, limit = ladder.run_timeout(args, deadline)
         fake_clock.now += timeout
-        return {"script": script_name, "rung": rung, **ladder.timed_out(timeout, limit)}
+        return {"script": script_name, "rung": rung, "tokens_per_sec": None, "tokens_per_sec_min": None,
+                "tokens_per_sec_max": None, "peak_reserved_gb": None, **ladder.timed_out(timeout, limit)}
 
     monkeypatch.setattr(ladder, "run_script_check", hanging_check)
-    fake_clock.now, hang = 0.0, "00 and 01"
+    fake_clock.now, hang, checks_run = 0.0, "00 and 01", []
     assert ladder.main(["--rungs", "0", "--check-scripts", *flags]) == 0
     printed = capsys.readouterr().out
     assert "the --check-scripts run of 00_orig.py was stopped at the limit after 5:40" in printed
     assert "measure it with:\n  python bench/ladder.py --rungs none --check-scripts --tiny --time-limit 400" in printed
     assert "script_checks" not in json.loads((out / "ladder.json").read_text())
-    fake_clock.now, hang = 0.0, "00"  # 00 finishes, 01 is stopped at the limit: 00's check is kept
+    fake_clock.now, hang, checks_run = 0.0, "00", []  # 00 finishes, 01 is stopped at the limit: 00's is kept
     assert ladder.main(["--rungs", "0", "--check-scripts", *flags]) == 0
-    assert "run of 01_opt_single_gpu.py was stopped at the limit after 4:40" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "run of 01_opt_single_gpu.py was stopped at the limit after 4:40" in printed
     checks = json.loads((out / "ladder.json").read_text())["script_checks"]
     assert [(check["script"], check["tokens_per_sec"]) for check in checks] == [("00_orig.py", 990.0)]
+    continuation = printed.split("measure it with:\n  python bench/ladder.py ")[1].split()
+    assert continuation[:3] == ["--rungs", "none", "--check-scripts"]
+    fake_clock.now, checks_run[:] = 0.0, []  # the printed command runs the check the folder lacks, not 00 again
+    assert ladder.main(continuation) == common.EXIT_FAILED and checks_run == ["01_opt_single_gpu.py"]
+    checks = json.loads((out / "ladder.json").read_text())["script_checks"]
+    assert [check["script"] for check in checks] == ["00_orig.py", "01_opt_single_gpu.py"]  # 01's failed, kept
 
 
 def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp_path, monkeypatch, capsys,
@@ -855,7 +864,9 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
     assert codes == [130, 0, 0, 0, 0, 0]
     for text in printed[1:4]:  # each part cut by the limit names the same command for the rest
         assert f"measure it with:\n  python bench/ladder.py {shlex.join(command)}\n" in text, text
-    assert "holds every rung and the --check-scripts runs" in printed[-1]
+    assert "holds every rung and every --check-scripts run" in printed[-1]
+    assert ladder.main([*command, "--steps", "7"]) == 2  # measured otherwise: refused, not "nothing left"
+    assert "measured otherwise" in capsys.readouterr().err
     final = json.loads((out / "ladder.json").read_text())
     rows = {row["rung"]: row for row in final["rungs"]}
     assert sorted(rows) == list(range(13)) and rows[4]["error"] == "boom" and rows[2]["error"] is None

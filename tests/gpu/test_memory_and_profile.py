@@ -150,7 +150,7 @@ def run_00_inspected(tmp_path_factory):
     # budget: ~30 s: stage 00 (nothing to compile), the fewest steps --profile accepts (9 today) at batch 8, full
     # size, a 2 GB checkpoint. One run serves both flags: the snapshot records the first steps, the profile later ones.
     steps = PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE
-    assert SNAPSHOT_STEPS <= PROFILE_WAIT, "the snapshot's steps would fall into the profiled ones"
+    assert SNAPSHOT_STEPS < PROFILE_WAIT, "the snapshot's steps would fall into the profiled ones (or the one before)"
     out = tmp_path_factory.mktemp("00-inspected")
     return run_stage("00_orig.py", "--batch-size", 8, "--max-steps", steps, "--eval-freq", 100, "--eval-iter", 1,
                      "--memory-snapshot", "--profile", out=out, timeout=240)
