@@ -286,7 +286,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         raise common.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
                                     f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
                                     "raise --epochs or --max-steps to train on. No file was changed.")
-    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps)  # --profile, --memory-snapshot
+    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps,  # --profile, --memory-snapshot
+                                         len(train_loader))
 
     for epoch in range(start_epoch, args.epochs):
         model.train()

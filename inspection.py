@@ -29,21 +29,23 @@ WORK_LABELS = {"matmul": "matmuls", "attention": "attention", "norm_activation":
 GPU_TIME_CLASSES = (*WORK_CLASSES, "communication", "copies", "idle")
 
 
-def profile_start(first_step, total_steps, eval_freq, save_every):
+def profile_start(first_step, total_steps, eval_freq, save_every, steps_per_epoch=0):
     """The warm-up step of --profile: PROFILE_WAIT steps into the run, or the first step after that from which the
-    warm-up and the kept steps have no evaluation or checkpoint between them. Those run after a step, inside the
-    trace (an evaluation after the warm-up step or after a kept step but the last): their kernels and waits would
-    count as the training step's. The earliest step is kept where no later one is clear (--eval-freq 1, say)."""
+    warm-up and the kept steps have no evaluation, checkpoint or end of an epoch (its sample) between them. Those
+    run after a step, inside the trace (after the warm-up step or after a kept step but the last): their kernels
+    and waits would count as the training step's. The earliest step is kept where no later one is clear
+    (--eval-freq 1, say)."""
     earliest, length = first_step + PROFILE_WAIT, PROFILE_WARMUP + PROFILE_ACTIVE
     for start in range(earliest, min(total_steps - length, earliest + 10_000) + 1):
-        if window_is_clear(start, eval_freq, save_every):
+        if window_is_clear(start, eval_freq, save_every, steps_per_epoch):
             return start
     return earliest
 
 
-def window_is_clear(start, eval_freq, save_every):
-    """Whether no evaluation or checkpoint follows the profile's warm-up step `start` or a kept step but the last."""
+def window_is_clear(start, eval_freq, save_every, steps_per_epoch=0):
+    """Whether nothing but training follows the profile's warm-up step `start` or a kept step but the last."""
     return not any(step % eval_freq == 0 or (save_every and (step + 1) % save_every == 0)
+                   or (steps_per_epoch and (step + 1) % steps_per_epoch == 0)
                    for step in range(start, start + PROFILE_WARMUP + PROFILE_ACTIVE - 1))
 
 
@@ -60,7 +62,7 @@ class RunInspection:
     as in the log lines, and the trace's ProfilerStep#N labels use the same numbers.
     """
 
-    def __init__(self, args, device, first_step, total_steps):
+    def __init__(self, args, device, first_step, total_steps, steps_per_epoch=0):
         import torch
         import torch.distributed as dist
 
@@ -71,7 +73,8 @@ class RunInspection:
         self.report = None
         if args.memory_snapshot and not self.cuda:
             raise UsageError("--memory-snapshot records the CUDA caching allocator: it needs a GPU (--device cuda)")
-        start = profile_start(first_step, total_steps, args.eval_freq, args.save_every)  # the warm-up step
+        between_steps = (args.eval_freq, args.save_every, steps_per_epoch)  # what may run after a step
+        start = profile_start(first_step, total_steps, *between_steps)  # the warm-up step
         profiled_last = start + PROFILE_WARMUP + PROFILE_ACTIVE  # one past the last, 0-based
         if args.profile and total_steps < profiled_last:
             raise UsageError(f"--profile records steps {start + PROFILE_WARMUP} to "
@@ -90,12 +93,12 @@ class RunInspection:
             self.profiler.step_num = first_step  # ProfilerStep#N: N is the log's step number, also after --resume
             self.profiler.start()
             self.profiled_steps = range(start, profiled_last)  # warm-up and active
-            if not window_is_clear(start, args.eval_freq, args.save_every):
-                clear = profile_start(first_step, first_step + 20_000, args.eval_freq, args.save_every)
-                print(f"--profile: an evaluation or a checkpoint falls among profiled steps {start}-"
+            if not window_is_clear(start, *between_steps):
+                clear = profile_start(first_step, first_step + 20_000, *between_steps)
+                print(f"--profile: an evaluation, a checkpoint or an epoch's end falls among profiled steps {start}-"
                       f"{profiled_last - 1}, and this run ends too soon to move past it: its work is in the trace"
                       + (f" (--max-steps {clear + PROFILE_WARMUP + PROFILE_ACTIVE} moves the window clear of it)"
-                         if window_is_clear(clear, args.eval_freq, args.save_every) else ""), flush=True)
+                         if window_is_clear(clear, *between_steps) else ""), flush=True)
             self.off_clock_steps = range(start - 1, profiled_last)  # and the step that switches the profiler on
         if args.memory_snapshot and is_writer:
             # Python stacks only: the C++ frames ("all", the default) are symbolized at the dump, which can take

@@ -148,6 +148,7 @@ def test_the_profiled_steps_move_past_an_evaluation_that_would_fall_among_them()
     assert start(0, 100, 4, 0) == 5  # 8 is the last kept step: its evaluation comes after the trace
     assert start(10, 100, 4, 0) == 17  # resumed at step 10: 16 is an evaluation
     assert start(0, 100, 100, 8) == 8  # --save-every 8: a checkpoint after step 7
+    assert start(0, 100, 20, 0, 7) == 7  # epochs of 7 steps: the sample after step 6
     assert start(0, 100, 1, 0) == 5 and start(0, 9, 5, 0) == 5  # nothing clear, or no room: the earliest
 
 
@@ -156,8 +157,9 @@ def test_a_window_that_cannot_move_says_so(tmp_path, capsys):
 
     args = inspection_args(tmp_path, profile=True, eval_freq=5)
     inspection.RunInspection(args, torch.device("cpu"), 0, 9).profiler.stop()
-    assert ("an evaluation or a checkpoint falls among profiled steps 5-8, and this run ends too soon to move past "
-            "it: its work is in the trace (--max-steps 10 moves the window clear of it)") in capsys.readouterr().out
+    assert ("an evaluation, a checkpoint or an epoch's end falls among profiled steps 5-8, and this run ends too "
+            "soon to move past it: its work is in the trace (--max-steps 10 moves the window clear of it)"
+            ) in capsys.readouterr().out
     inspection.RunInspection(args, torch.device("cpu"), 0, 10).profiler.stop()
     assert capsys.readouterr().out == ""
 
