@@ -57,8 +57,8 @@ class RunInspection:
     and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps run off the training clock
     (profiling slows them), and so does the step before them, which ends by switching the profiler on; the
     stage labels the regions of each step with region(). --memory-snapshot records the CUDA caching allocator's
-    history over the first SNAPSHOT_STEPS steps, which also run off the clock (recording every allocation slows them, and the dump after the last
-    synchronizes and pickles). In a distributed run only rank 0 profiles and writes. Steps are numbered from 0
+    history over the first SNAPSHOT_STEPS steps, which also run off the clock (recording every allocation slows
+    them, and the dump after the last synchronizes and pickles). In a distributed run only rank 0 profiles and writes. Steps are numbered from 0
     as in the log lines, and the trace's ProfilerStep#N labels use the same numbers.
     """
 

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 import checkpoints  # noqa: E402  (needs the path above)
 import common  # noqa: E402
-from bench.ladder import (Stopped, describe_device, drop_checkpoints, failure_from_output,  # noqa: E402
+from bench.ladder import (MISSING, Stopped, describe_device, drop_checkpoints, failure_from_output,  # noqa: E402
                           git_revision, nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
 
 TORCHRUN_ONE_PROCESS = ("torchrun", "--standalone", "--nproc_per_node=1")
@@ -74,9 +74,6 @@ def build_parser():
     parser.add_argument("--run-timeout", type=common.whole_number(1), default=1200, metavar="SECONDS",
                         help="stop a run that takes longer than this (default: 1200)")
     return parser
-
-
-MISSING = "missing"
 
 
 def chosen_runs(text):
