@@ -52,14 +52,14 @@ def window_is_clear(start, eval_freq, save_every, steps_per_epoch=0):
 class RunInspection:
     """--profile and --memory-snapshot, the same in every stage; both off: it does nothing.
 
-    --profile follows torch.profiler's schedule: PROFILE_WAIT steps or more not recorded (the first compiles;
-    more where an evaluation would fall among the steps that follow: profile_start), PROFILE_WARMUP recorded
-    and thrown away, then PROFILE_ACTIVE steps whose trace is kept. Those steps run off the training clock
-    (profiling slows them), and so does the step before them, which ends by switching the profiler on; the
-    stage labels the regions of each step with region(). --memory-snapshot records the CUDA caching allocator's
-    history over the first SNAPSHOT_STEPS steps, which also run off the clock (recording every allocation slows
-    them, and the dump after the last synchronizes and pickles). In a distributed run only rank 0 profiles and writes. Steps are numbered from 0
-    as in the log lines, and the trace's ProfilerStep#N labels use the same numbers.
+    --profile follows torch.profiler's schedule: PROFILE_WAIT steps or more not recorded (the first compiles; more
+    where an evaluation would fall among the steps that follow: profile_start), PROFILE_WARMUP recorded and thrown
+    away, then PROFILE_ACTIVE steps whose trace is kept. Those steps run off the training clock (profiling slows
+    them), and so does the step before them, which ends by switching the profiler on; the stage labels the regions
+    of each step with region(). --memory-snapshot records the CUDA caching allocator's history over the first
+    SNAPSHOT_STEPS steps, which also run off the clock (recording every allocation slows them, and the dump after
+    the last synchronizes and pickles). In a distributed run only rank 0 profiles and writes. Steps are numbered
+    from 0 as in the log lines, and the trace's ProfilerStep#N labels use the same numbers.
     """
 
     def __init__(self, args, device, first_step, total_steps, steps_per_epoch=0):

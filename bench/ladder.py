@@ -659,6 +659,11 @@ def run_script_check(script_name, rung, args, device_info, logs, rows, deadline)
 # The ladder
 # ---------------------------------------------------------------------------------------------
 
+def checked_scripts(existing):
+    """The scripts whose --check-scripts run the folder's report `existing` (or None) holds."""
+    return {check["script"] for check in (existing or {}).get("script_checks", [])}
+
+
 def missing_rungs(args, existing):
     """--rungs missing: (the rungs, whether the --check-scripts runs are left) that `existing`, the folder's report,
     lacks. A rung is missing without a row, or with the row of a rung stopped by Ctrl-C; a failed rung (or script
@@ -669,7 +674,7 @@ def missing_rungs(args, existing):
     existing = existing or {}
     measured = {row["rung"] for row in existing.get("rungs", []) if row.get("error") != report.INTERRUPTED}
     candidates = [number for number in ALL_RUNGS if not (args.option and number >= 11)]
-    checked = {check["script"] for check in existing.get("script_checks", [])}
+    checked = checked_scripts(existing)
     checks_left = args.check_scripts and any(script not in checked for script, _ in script_checks())
     return [number for number in candidates if number not in measured], checks_left
 
@@ -903,8 +908,7 @@ def run_ladder(args):
     if args.check_scripts and not stopped:
         # --rungs missing and --rungs none (a part of checks alone, what --time-limit prints for the checks left)
         # run the checks the folder lacks; a part with rungs runs them all again, against its new rows
-        checked = ({check["script"] for check in (existing or {}).get("script_checks", [])}
-                   if missing or not args.rungs else set())
+        checked = checked_scripts(existing) if missing or not args.rungs else set()
         checks, checks_left = [], bool(not_started)
         for script_name, rung in [] if checks_left else script_checks():
             if script_name in checked:

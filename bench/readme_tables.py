@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import common  # noqa: E402  (needs the path above; imports no torch)
 from bench.report import read_report  # noqa: E402
-from bench.stages import _cell  # noqa: E402  (the stages' own table cells: n/a for a missing figure)
+from bench.stages import cell  # noqa: E402  (the stages' own table cells: n/a for a missing figure)
 from data import UsageError  # noqa: E402
 
 README = ROOT / "README.md"
@@ -164,11 +164,11 @@ def stages_section(stages, folder):
                 4 + len(common.WALL_CLOCK_PHASES)))
             continue
         split = row.get("wall_clock_s") or {}
-        lines.append(f"| {row['run']} | `{row['command']}` | {_cell(row.get('avg_tok_per_sec'), ',.0f')} | "
+        lines.append(f"| {row['run']} | `{row['command']}` | {cell(row.get('avg_tok_per_sec'), ',.0f')} | "
                      f"{'n/a' if row.get('mfu') is None else format(row['mfu'], '.1%')} | "
-                     f"{_cell(row.get('reserved_gb'), '.2f')} | {_cell(row.get('final_val_loss'), '.3f')} | "
-                     f"{_cell(row.get('command_seconds'), '.1f')} | "
-                     + " | ".join(_cell(split.get(phase), ".1f") for phase in common.WALL_CLOCK_PHASES) + " |")
+                     f"{cell(row.get('reserved_gb'), '.2f')} | {cell(row.get('final_val_loss'), '.3f')} | "
+                     f"{cell(row.get('command_seconds'), '.1f')} | "
+                     + " | ".join(cell(split.get(phase), ".1f") for phase in common.WALL_CLOCK_PHASES) + " |")
     speeds = {name: row.get("avg_tok_per_sec") for name, row in runs.items() if not row.get("error")}
     against = [f"{later} over {earlier}: {speeds[later] / speeds[earlier]:.3f}× ({target})"
                for later, earlier, target in (("01-warm", "00", "target: at least 12×"),

@@ -131,7 +131,7 @@ def measure(name, args, out):
     return row
 
 
-def _cell(value, spec):
+def cell(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
@@ -148,9 +148,9 @@ def render_markdown(report):
             lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} | | | | | | |")
             continue
         lines.append(f"| {row['run']} | `{row['command']}` | {row['steps']} | {row['batch_size']} | "
-                     f"{_cell(row['avg_tok_per_sec'], ',.0f')} | {_cell(row['mfu'], '.1%')} | "
-                     f"{_cell(row['reserved_gb'], '.2f')} | {_cell(row['peak_reserved_gb'], '.2f')} | "
-                     f"{_cell(row['final_val_loss'], '.3f')} |")
+                     f"{cell(row['avg_tok_per_sec'], ',.0f')} | {cell(row['mfu'], '.1%')} | "
+                     f"{cell(row['reserved_gb'], '.2f')} | {cell(row['peak_reserved_gb'], '.2f')} | "
+                     f"{cell(row['final_val_loss'], '.3f')} |")
     lines += ["", "Wall clock, in seconds: the whole command, then the run's own split from the moment its process "
                   "started (the last line of its log; torchrun's start and the process's exit are outside it).", "",
               "| run | whole command | " + " | ".join(PHASES) + " |",
@@ -158,7 +158,7 @@ def render_markdown(report):
     for row in report["runs"]:
         split = row.get("wall_clock_s") or {}
         lines.append(f"| {row['run']} | {row['command_seconds']:.1f} | "
-                     + " | ".join(_cell(split.get(phase), '.1f') for phase in PHASES) + " |")
+                     + " | ".join(cell(split.get(phase), '.1f') for phase in PHASES) + " |")
     lines += ["", "01-cold compiled into an empty cache, 01-warm into the cache 01-cold filled; 00 and 02 each had "
                   "an empty one. Avg tok/sec leaves out each run's first log interval (warm-up and compilation); "
                   "memory is in GiB, reserved at the end of the run and its peak."]

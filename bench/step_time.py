@@ -8,10 +8,11 @@
 It reads the trace that --profile wrote (steps 6-8 of the run, or the later ones it moved to), sorts every GPU
 kernel into the roofline's six classes of work by its name (inspection.kernel_class: cuBLAS's GEMMs, FlashAttention,
 the loss's log-softmax, AdamW's multi-tensor kernels, norms and activations, everything else elementwise), adds
-NCCL's communication, the copies, and the time the GPU ran nothing ("idle": the host did not keep it fed), and prints a markdown table of
-milliseconds per step. With --rung (and --roofline, or the roofline docs/roofline/ ships for the trace's GPU), each
-class also gets the floor that bench/roofline.py modelled for it on that GPU, and measured over floor: the class furthest above its floor is where a change can gain most.
-Then the kernels that took the most time, with their class, so that a name the rules sort wrongly shows.
+NCCL's communication, the copies, and the time the GPU ran nothing ("idle": the host did not keep it fed), and
+prints a markdown table of milliseconds per step. With --rung (and --roofline, or the roofline docs/roofline/ ships
+for the trace's GPU), each class also gets the floor that bench/roofline.py modelled for it on that GPU, and
+measured over floor: the class furthest above its floor is where a change can gain most. Then the kernels that took
+the most time, with their class, so that a name the rules sort wrongly shows.
 
 The roofline must model the run that was profiled: the same GPU (checked against the trace's device), the same
 rung (rung 10 is 01 as it is; 00 is rung 0) and the same batch (the roofline's batch is printed; the trace does
