@@ -41,8 +41,15 @@ def first_block(model):
 
 @pytest.fixture(scope="module")
 def composed():
-    """Rungs 0 to 10 with the tiny config, composed once for all the composition tests."""
-    return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
+    """Rungs 0 to 10 with the tiny config, composed once for all the composition tests, as on a CPU that computes
+    in bf16 (the test hook), so that step 5's bf16 path is checked on every CPU."""
+    os.environ[common.FORCE_PRECISION_VARIABLE] = "bf16"
+    common.autocast_precision.cache_clear()
+    try:
+        return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
+    finally:
+        del os.environ[common.FORCE_PRECISION_VARIABLE]
+        common.autocast_precision.cache_clear()
 
 
 def test_rung_0_is_stage_00(composed):
@@ -109,10 +116,23 @@ def test_rung_5_is_bf16_autocast_around_stage_00s_layers(composed):
     block = first_block(composed[5].model)
     assert type(block.norm1).__module__.startswith("ladder_00_orig")  # still the hand-written LayerNorm
     assert type(block.ff.layers[1]).__module__.startswith("ladder_00_orig")  # and GELU
-    assert composed[5].precision == "bf16"  # a CPU has bfloat16, so 01 (and rung 5) use it
+    assert composed[5].precision == "bf16"  # a CPU with bfloat16 arithmetic: 01 (and rung 5) use it
     assert logits_dtype_in_a_training_step(composed[4]) == torch.float32
     assert logits_dtype_in_a_training_step(composed[5]) == torch.bfloat16
     assert next(composed[5].model.parameters()).dtype == torch.float32  # weights stay float32
+
+
+def test_rung_5_on_a_cpu_without_bf16_decides_as_01_does(monkeypatch):
+    monkeypatch.setattr(common, "cpu_bf16_unit", lambda: None)
+    monkeypatch.delenv(common.FORCE_PRECISION_VARIABLE, raising=False)
+    common.autocast_precision.cache_clear()
+    try:
+        rung = rungs.compose(5, CPU, tiny=True)
+    finally:
+        common.autocast_precision.cache_clear()
+    assert rung.precision == "fp32"
+    assert "no effect here: this CPU has no bfloat16 arithmetic" in " ".join(rung.notes)
+    assert logits_dtype_in_a_training_step(rung) == torch.float32
 
 
 def test_rung_6_has_pytorchs_layernorm_and_gelu(composed):

@@ -67,8 +67,33 @@ def test_the_headers_device_says_whether_float32_matmuls_use_tf32(monkeypatch, c
     assert common.describe_device(device, matmul_precision=False).endswith(f"CUDA {torch.version.cuda})")  # the ladder's
 
 
-def test_cpus_autocast_to_bf16_and_mps_depends_on_macos(monkeypatch):
-    assert common.autocast_precision(torch.device("cpu"))[0] == "bf16"
+@pytest.mark.parametrize("machine, onednn, amx, avx512_bf16, precision, words", [
+    ("x86_64", True, False, True, "bf16", "this CPU computes in bfloat16 (AVX512-BF16)"),   # AMD Zen 4, Intel Cooper Lake
+    ("x86_64", True, True, True, "bf16", "this CPU computes in bfloat16 (AMX)"),            # Intel Sapphire Rapids
+    ("x86_64", True, False, False, "fp32", "no bfloat16 arithmetic: emulated bf16 is ~10x slower"),  # AVX512 only
+    ("x86_64", False, False, False, "fp32", "no bfloat16 arithmetic: emulated bf16 is ~10x slower"),  # AVX2
+    ("aarch64", True, False, False, "bf16", "this CPU computes in bfloat16 (Arm BF16)"),    # Graviton 3, Apple M2
+    ("aarch64", False, False, False, "fp32", "no bfloat16 arithmetic"),                     # Graviton 2
+])
+def test_a_cpu_autocasts_to_bf16_only_where_it_computes_in_bf16(monkeypatch, machine, onednn, amx, avx512_bf16,
+                                                               precision, words):
+    monkeypatch.setattr("platform.machine", lambda: machine)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    chosen, reason = common.autocast_precision(torch.device("cpu"))
+    assert chosen == precision and words in reason
+    assert common.autocast_dtype(torch.device("cpu")) is (torch.bfloat16 if precision == "bf16" else None)
+
+
+def test_oneDNN_limited_to_avx2_makes_this_cpu_train_in_float32():
+    """The same decision from oneDNN's own answer, unmocked: ONEDNN_MAX_CPU_ISA=AVX2 hides any bf16 unit."""
+    probe = run_script("-c", "import torch, common; print(common.autocast_precision(torch.device('cpu'))[0])",
+                       env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert probe.returncode == 0 and probe.stdout.split() == ["fp32"], probe.stderr[-2000:]
+
+
+def test_mps_depends_on_macos(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: True)
     assert common.autocast_precision(torch.device("mps")) == ("bf16", "MPS has bfloat16 from macOS 14 on")
     common.autocast_precision.cache_clear()
@@ -84,14 +109,19 @@ def test_the_test_hook_is_checked(monkeypatch):
         common.autocast_precision(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("script, forced, header", [
-    ("00_orig.py", None, "precision: fp32 (the book trains in plain float32)"),
-    ("01_opt_single_gpu.py", None, "precision: bf16 (CPUs compute in bfloat16 under autocast)"),
-    ("01_opt_single_gpu.py", "fp32", "precision: fp32 (forced by the test hook TEST_FORCE_PRECISION)"),
-    ("02_opt_multi_gpu_ddp.py", None, "precision: bf16 (CPUs compute in bfloat16 under autocast) | world size: 1"),
+NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 arithmetic
+
+
+@pytest.mark.parametrize("script, env, header", [
+    ("00_orig.py", {}, "precision: fp32 (the book trains in plain float32)"),
+    ("01_opt_single_gpu.py", NO_BF16,
+     "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower)"),
+    ("01_opt_single_gpu.py", {common.FORCE_PRECISION_VARIABLE: "fp32"},
+     "precision: fp32 (forced by the test hook TEST_FORCE_PRECISION)"),
+    ("02_opt_multi_gpu_ddp.py", NO_BF16,
+     "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower) | world size: 1"),
 ])
-def test_the_header_names_the_precision_and_why(tmp_path, small_text, script, forced, header):
-    env = {common.FORCE_PRECISION_VARIABLE: forced} if forced else {}
+def test_the_header_names_the_precision_and_why(tmp_path, small_text, script, env, header):
     result = run_script(script, "--tiny", "--data", small_text, "--out", tmp_path, "--max-steps", "2",
                         "--eval-freq", "1", "--eval-iter", "1", *(["--no-compile"] if script[1] != "0" else []),
                         env=env)
