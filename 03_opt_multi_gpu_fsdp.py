@@ -361,6 +361,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     "timed_tokens": interval_tokens,
                     "hfu": hfu,  # NEW (FSDP): MFU with the recomputed forward counted too (equal without it)
                 })
+                if first_interval:
+                    common.end_of_warm_up(device)  # the steady state's memory peaks count from here
                 interval_tokens, first_interval = 0, False
                 clock.start()
             stop_signum = stop.requested()
@@ -382,8 +384,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         generate_and_print_sample(model, tokenizer, device,  # NEW (FSDP): the sharded model itself, every rank
                                   start_context="Every effort moves you")
         if device.type == "cuda":
-            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / 1024**3:.4f} GB")
-            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / 1024**3:.4f} GB")
+            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / common.GIB:.4f} GiB")
+            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / common.GIB:.4f} GiB")
         if done:
             break
     history["steps"] = global_step + 1
@@ -546,7 +548,6 @@ def main():
 
     # Outputs: metrics.json, loss.pdf/png, model.pth
     heartbeat.doing = "writing outputs"
-    on_cuda = device.type == "cuda"
     avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
     metrics = {
         "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
@@ -555,14 +556,13 @@ def main():
         "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
         "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
         "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory.as_json(),  # NEW (FSDP)
-        "allocated_gb": torch.cuda.memory_allocated(device) / 1024**3 if on_cuda else None,
-        "reserved_gb": torch.cuda.memory_reserved(device) / 1024**3 if on_cuda else None,
-        "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024**3 if on_cuda else None,
-        "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024**3 if on_cuda else None,
+        **common.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
     metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
     checkpoints.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
+    if device.type == "cuda":  # the steady state's peaks beside the first interval's
+        print(common.peak_memory_line(metrics))
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
     print(common.wall_clock_line(metrics["wall_clock_s"]))
 

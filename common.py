@@ -289,17 +289,25 @@ def check_cuda_build(capability, arch_list, torch_version, gpu_name):
     """
     major, minor = capability
     for arch in arch_list:
-        kind, _, number = arch.partition("_")
-        if not number.isdigit():
+        # a suffix narrows where the code runs: sm_90a only on 9.0 (architecture-specific features), sm_120f on
+        # the family 12.x from 12.0 on (as plain sm_120 does)
+        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", arch)
+        if not match:
             continue
-        arch_major, arch_minor = int(number[:-1]), int(number[-1])
-        if kind == "sm" and arch_major == major and arch_minor <= minor:
+        kind, arch_major, arch_minor, suffix = match[1], int(match[2]), int(match[3]), match[4]
+        if kind == "sm" and arch_major == major and (arch_minor == minor if suffix == "a" else arch_minor <= minor):
             return
-        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
+        exact = (arch_major, arch_minor) == (major, minor)
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor) and (suffix != "a" or exact):
             return
     raise UsageError(f"PyTorch {torch_version} has no kernels for the {gpu_name} (sm_{major}{minor}; this build "
                      f"covers {' '.join(arch_list) or 'no GPU'}): install a build that includes sm_{major}{minor}, "
                      "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126")
+
+
+# torchrun --standalone hands its workers this machine's fully qualified host name as MASTER_ADDR; where that name
+# does not resolve (containers, small VMs) the process group never starts. One machine needs only the loopback.
+SINGLE_NODE_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1")
 
 
 def free_port():
@@ -540,8 +548,59 @@ def memory_line(num_params, cfg, batch_size, precision, flash_attention):
     half = 1 if precision in ("bf16", "fp16") else 2  # activations in 16-bit, or float32
     per_token_and_layer = 34 * cfg["emb_dim"] + (0 if flash_attention else 5 * cfg["n_heads"] * cfg["context_length"])
     activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + cfg["vocab_size"] * 4 * half)
-    return (f"Memory (estimate): weights, gradients and AdamW state {16 * num_params / 1e9:.1f} GB (16 bytes per "
-            f"parameter) + activations {activations / 1e9:.1f} GB at batch {batch_size} x {cfg['context_length']}")
+    return (f"Memory (estimate): weights, gradients and AdamW state {16 * num_params / GIB:.1f} GiB (16 bytes per "
+            f"parameter) + activations {activations / GIB:.1f} GiB at batch {batch_size} x {cfg['context_length']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: one unit everywhere (the log, metrics.json's *_gb keys, the ladder, the README): GiB, 1024^3 bytes
+# ---------------------------------------------------------------------------------------------
+
+GIB = 1024**3
+_first_interval_peaks = {}  # CUDA: the allocator's peaks over the first interval, once it has ended
+
+
+def end_of_warm_up(device):
+    """Called where the first log interval ends (off the clock). Its peaks hold one-off costs: compilation, and
+    Triton's autotuning, which clones every buffer a kernel writes in place (at batch 32 the logits: 3 GiB). They
+    are kept apart; the cache that only they needed is given back, and the steady state's peaks count from here."""
+    import torch
+
+    if device.type != "cuda" or _first_interval_peaks:
+        return
+    _first_interval_peaks.update(allocated=torch.cuda.max_memory_allocated(device) / GIB,
+                                 reserved=torch.cuda.max_memory_reserved(device) / GIB)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_metrics(device):
+    """metrics.json's memory in GiB (None off CUDA): now, the steady state's peaks (after the first interval) and
+    the first interval's. A run whose first interval never ended has no steady state: its peaks are the first's."""
+    import torch
+
+    keys = ("allocated_gb", "reserved_gb", "peak_allocated_gb", "peak_reserved_gb",
+            "first_interval_peak_allocated_gb", "first_interval_peak_reserved_gb")
+    if device.type != "cuda":
+        return {"memory_unit": "GiB", **dict.fromkeys(keys)}
+    peaks = (torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB)
+    first = _first_interval_peaks or dict(zip(("allocated", "reserved"), peaks))
+    steady = peaks if _first_interval_peaks else (None, None)
+    values = (torch.cuda.memory_allocated(device) / GIB, torch.cuda.memory_reserved(device) / GIB, *steady,
+              first["allocated"], first["reserved"])
+    return {"memory_unit": "GiB", **dict(zip(keys, values))}
+
+
+def peak_memory_line(metrics):
+    """The log's last word on memory: the steady state's peaks beside the first interval's; None off CUDA."""
+    if metrics["first_interval_peak_reserved_gb"] is None:
+        return None
+    steady = ("no steady state (the run ended in its first interval)" if metrics["peak_reserved_gb"] is None else
+              f"{metrics['peak_allocated_gb']:.2f} GiB allocated, {metrics['peak_reserved_gb']:.2f} GiB reserved "
+              "after the first interval")
+    return (f"Peak memory: {steady} | first interval (warm-up, compilation, autotuning): "
+            f"{metrics['first_interval_peak_allocated_gb']:.2f} GiB allocated, "
+            f"{metrics['first_interval_peak_reserved_gb']:.2f} GiB reserved")
 
 
 def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):

@@ -302,11 +302,12 @@ def run_rung_main(args):
         traceback.print_exc()
         result["error"] = short_error(exc)
     finally:
-        if device is not None and device.type == "cuda":
-            result["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
-            result["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1024**3
-            say(f"peak memory: {result['peak_allocated_gb']:.2f} GiB allocated, "
-                f"{result['peak_reserved_gb']:.2f} GiB reserved")
+        if device is not None and device.type == "cuda":  # GiB: the timed steps' peaks and the warm-up's
+            memory = common.memory_metrics(device)
+            result.update({key: memory[key] for key in ("peak_allocated_gb", "peak_reserved_gb",
+                                                        "first_interval_peak_allocated_gb",
+                                                        "first_interval_peak_reserved_gb")})
+            say(common.peak_memory_line(memory))
         report.write_json(result, args.result)
     return common.EXIT_OK if result["error"] is None else common.EXIT_FAILED
 
@@ -588,6 +589,9 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
         "world_size": world_size, "batch_size": (metrics.get("settings") or {}).get("batch_size"),
         "stage_batch_size": own_batch_size(stage, args.tiny),
         "peak_allocated_gb": metrics.get("peak_allocated_gb"), "peak_reserved_gb": metrics.get("peak_reserved_gb"),
+        "first_interval_peak_reserved_gb": metrics.get("first_interval_peak_reserved_gb"),
+        "bf16_logits_gb": (None if not metrics.get("config") else (metrics.get("settings") or {}).get("batch_size", 0)
+                           * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / common.GIB),
         "final_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
         "steps": len(windows) * window, "warmup_steps": measured_ends[0] - window + 1,
         "final_loss_step": last.get("step"), "steps_per_epoch": steps_per_epoch,
@@ -612,7 +616,7 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
         return {"rung": number, "error": message}
     processes = device_info["gpu_count"] if device_info["device_type"] == "cuda" else 1
     run_dir = logs / f"rung-{number:02d}-run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+    torchrun = [sys.executable, *common.SINGLE_NODE_TORCHRUN, f"--nproc_per_node={processes}",
                 "--log-dir", run_dir / "torchrun"]  # torchrun's own files: not in /tmp
     row = run_stage_script(script_name, torchrun, args, device_info, log_path, run_dir, timeout, limit, processes)
     row["rung"] = number
@@ -622,6 +626,11 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
         row["notes"] = [f"{world_size} process{'es' if world_size > 1 else ''}: tok/s of all together, by "
                         f"{Path(script_name).stem[:2]}'s own clock; final loss: its evaluation at step "
                         f"{row['final_loss_step']}"]
+        if number == 12 and row.get("bf16_logits_gb"):  # measured beside rung 11, not fixed: say what it is
+            row["notes"].append(f"03 compiles its loss apart from the sharded model, so the logits enter that graph "
+                                f"as an input and their gradient takes a buffer of its own ({row['bf16_logits_gb']:.2f}"
+                                " GiB in bf16), where 01 and 02 write it over the saved logits: memory that has "
+                                "nothing to do with sharding")
         override = batch_size_note(args.batch_size, row["stage_batch_size"])
         if override:
             row["notes"].append(override)

@@ -154,7 +154,7 @@ def stages_section(stages, folder):
              f"by `bench/stages.py` into `{shown_folder(folder)}/stages/` (its `stages.md` has the commands and "
              "the logs). Each run with the stage's own defaults; Avg tok/sec leaves out the first log interval; "
              "memory in GiB at the end of the run; wall clock in seconds.", "",
-             "| run | command | Avg tok/sec | MFU | reserved GB | final val loss | whole command | "
+             "| run | command | Avg tok/sec | MFU | reserved GiB | final val loss | whole command | "
              + " | ".join(common.WALL_CLOCK_PHASES) + " |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in common.WALL_CLOCK_PHASES)
              + " |"]

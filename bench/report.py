@@ -31,7 +31,8 @@ from data import UsageError, files  # noqa: E402
 
 # The original tutorial's figures, one A100 (rung 11: four), PyTorch 2.6: its README's "Avg tok/sec"
 # for steps 0 to 7 and "Step tok/sec" at the end of epoch 1 for 8 to 11 (all GPUs together for 11),
-# and torch.cuda.memory_reserved() after the first epoch in GB (bytes / 1024**3, as here). It had no FSDP.
+# and torch.cuda.memory_reserved() after the first epoch, printed as "GB" but in GiB (bytes / 1024**3, the unit of
+# every memory figure here). It had no FSDP.
 REFERENCE_SOURCE = ("original tutorial, 1x A100, PyTorch 2.6 (rung 11: 4x A100): Sebastian Raschka, "
                     "LLMs-from-scratch, ch05/10_llm-training-speed/README.md")
 REFERENCE = {
@@ -49,8 +50,8 @@ SHORT_NAMES = {0: "baseline (00)", 1: "mask on the fly", 2: "TF32", 3: "fused Ad
 
 # The documented keys of a row, in this order; the details follow them.
 ROW_KEYS = ("rung", "change", "tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "speedup_vs_previous",
-            "speedup_vs_baseline", "mfu", "peak_allocated_gb", "peak_reserved_gb", "final_loss", "error",
-            "measured_at")
+            "speedup_vs_baseline", "mfu", "peak_allocated_gb", "peak_reserved_gb", "first_interval_peak_reserved_gb",
+            "final_loss", "error", "measured_at")
 INTERRUPTED = "interrupted"  # the error of a rung stopped by Ctrl-C: such a row replaces no measured one
 
 # What must be the same in two parts for their rows to share a table, and how the refusal names it.
@@ -325,7 +326,7 @@ def ratio_label(row):
 
 
 def reference_cells(row, settings):
-    """The reference tok/s and reserved GB; where the row's batch is not the reference's, the cells say its batch."""
+    """The reference tok/s and reserved GiB; where the row's batch is not the reference's, the cells say its batch."""
     reference = row["reference"]
     batch = row.get("batch_size")
     other_batch = (not settings["tiny"] and batch is not None and reference.get("batch_size") is not None
@@ -367,8 +368,8 @@ def render_markdown(report):
         "enough; data loading on the clock, no evaluation.",
         "",
         "| rung | change | tok/s (median) | min – max | × row above | × rung 0 | MFU | peak alloc. GiB "
-        "| peak reserved GiB | final loss | " + ("measured / ceiling | " if ceilings else "")
-        + "reference tok/s | reference reserved GB | measured (UTC) | notes |",
+        "| peak reserved GiB (warm-up's) | final loss | " + ("measured / ceiling | " if ceilings else "")
+        + "reference tok/s | reference reserved GiB | measured (UTC) | notes |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if ceilings else "")
         + "---: | ---: | --- | --- |",
     ]
@@ -384,7 +385,9 @@ def render_markdown(report):
             str(row["rung"]), row["change"], _number(row["tokens_per_sec"]), spread, above,
             _number(row["speedup_vs_baseline"], 2, "×"),
             _number(None if row["mfu"] is None else 100 * row["mfu"], 1, "%"),
-            _number(row["peak_allocated_gb"], 2), _number(row["peak_reserved_gb"], 2), _number(row["final_loss"], 3),
+            _number(row["peak_allocated_gb"], 2), _number(row["peak_reserved_gb"], 2)
+            + ("" if row.get("first_interval_peak_reserved_gb") is None
+               else f" ({row['first_interval_peak_reserved_gb']:.2f})"), _number(row["final_loss"], 3),
         ]
         if ceilings:
             ceiling, fraction = row.get("ceiling_tok_per_sec"), row.get("fraction_of_ceiling")

@@ -503,6 +503,7 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
     if rung.device.type == "cuda":
         torch.cuda.synchronize()
     warmup_seconds = time.perf_counter() - started
+    common.end_of_warm_up(rung.device)  # the memory peaks of the timed steps count from here
     say(f"warm-up: {warmup} steps in {warmup_seconds:.1f} s")
 
     timer = WindowTimer(rung.device)

@@ -96,7 +96,7 @@ def command_of(name, args, run_dir):
         flags = ("--tiny", "--max-steps", str(TINY_STEPS), "--eval-freq", "4")
     flags = (*flags, *(("--device", args.device) if args.device != "auto" else ()))
     shown = ("python", *typed, *flags) if typed[0] != "torchrun" else (*typed, *flags)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", *typed[1:-1], "--log-dir", run_dir / "torchrun"]
+    launcher = ([sys.executable, *common.SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
                 if typed[0] == "torchrun" else [sys.executable])
     return shlex.join(shown), [*launcher, ROOT / typed[-1], *flags, "--out", run_dir]
 
@@ -124,7 +124,8 @@ def measure(name, args, out):
     metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
     log = metrics.get("log") or [{}]
     row.update({key: metrics.get(key) for key in ("steps", "tokens_seen", "avg_tok_per_sec", "mfu", "reserved_gb",
-                                                  "peak_reserved_gb", "world_size", "precision")})
+                                                  "peak_reserved_gb", "first_interval_peak_reserved_gb",
+                                                  "world_size", "precision")})
     row.update({"batch_size": (metrics.get("settings") or {}).get("batch_size"),
                 "final_val_loss": log[-1].get("val_loss"), "wall_clock_s": metrics.get("wall_clock_s")})
     print(f"[{name}] done in {seconds:.0f} s: {common.wall_clock_line(row['wall_clock_s'])}", flush=True)
@@ -141,7 +142,8 @@ def render_markdown(report):
              f"{report['python']}; measured by " + "; then ".join(
                  f"`{part['command']}` ({part['date']}, commit {part['git'] or '-'}: {', '.join(part['runs'])})"
                  for part in report["parts"]), "",
-             "| run | command | steps | batch | Avg tok/sec | MFU | reserved GB | peak reserved GB | final val loss |",
+             "| run | command | steps | batch | Avg tok/sec | MFU | reserved GiB | peak reserved GiB (first interval's) "
+             "| final val loss |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
         if row["error"]:
@@ -149,7 +151,8 @@ def render_markdown(report):
             continue
         lines.append(f"| {row['run']} | `{row['command']}` | {row['steps']} | {row['batch_size']} | "
                      f"{cell(row['avg_tok_per_sec'], ',.0f')} | {cell(row['mfu'], '.1%')} | "
-                     f"{cell(row['reserved_gb'], '.2f')} | {cell(row['peak_reserved_gb'], '.2f')} | "
+                     f"{cell(row['reserved_gb'], '.2f')} | {cell(row['peak_reserved_gb'], '.2f')} "
+                     f"({cell(row.get('first_interval_peak_reserved_gb'), '.2f')}) | "
                      f"{cell(row['final_val_loss'], '.3f')} |")
     lines += ["", "Wall clock, in seconds: the whole command, then the run's own split from the moment its process "
                   "started (the last line of its log; torchrun's start and the process's exit are outside it).", "",

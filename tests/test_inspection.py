@@ -231,3 +231,13 @@ def test_memory_snapshot_records_python_stacks_and_is_written_even_for_a_short_r
     assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"
     steps = min(total_steps, inspection.SNAPSHOT_STEPS)
     assert f"Memory snapshot of the first {steps} steps: " in capsys.readouterr().out
+
+
+def test_the_gpu_tiers_cudnn_probe_answers_from_a_process_of_its_own():
+    """The tier measures cuDNN's attention in a child process (a sticky CUDA error there cannot fail the tier's
+    other tests); without a GPU the child still answers its one line, every measurement refused."""
+    from gpu import test_attention_kernels
+
+    probe = test_attention_kernels.run_cudnn_probe()
+    assert set(probe) == {"dropout", "ms at 0.1", "ms at 0.0"}, probe
+    assert all(str(value).startswith("refused: ") for value in probe.values()), probe

@@ -379,6 +379,10 @@ def test_a_mig_slice_gets_no_peak_and_says_why(monkeypatch):
     ((8, 9), ["sm_80", "sm_86", "sm_90"], True),   # sm_86 code runs on 8.9 (same major, lower minor)
     ((9, 0), ["sm_80", "sm_86", "compute_86"], True),  # no sm_90, but PTX for 8.6 compiles for 9.0
     ((8, 0), ["sm_86", "sm_90"], False),           # code for a newer minor does not run on an older one
+    ((9, 0), ["sm_80", "sm_90a"], True),           # suffixed names: architecture-specific code for 9.0
+    ((10, 0), ["sm_90a", "sm_100a", "sm_120a"], True),
+    ((10, 3), ["sm_90", "sm_100a"], False),        # sm_100a runs on 10.0 alone
+    ((12, 1), ["sm_90", "sm_120f"], True),         # a family: 12.x from 12.0 on
 ])
 def test_a_gpu_the_build_has_no_kernels_for_is_refused_with_one_line(capability, arch_list, runs):
     def check():
@@ -501,7 +505,7 @@ def test_the_gpu_tiers_readers_understand_a_stages_output(tmp_path, small_text):
 
     # what only CUDA prints, in the stages' formats
     cuda_output = ("Ep 1, Step 000010, Train: 6.201, Val: 6.152, Step tok/sec: 12545, Avg tok/sec: n/a, MFU: 38.9%\n"
-                   "Allocated memory: 2.4373 GB\nReserved memory: 22.5100 GB\n")
+                   "Allocated memory: 2.4373 GiB\nReserved memory: 22.5100 GiB\n")
     [entry] = stage_runs.log_entries(cuda_output)
     assert entry["step_tok_per_sec"] == 12545 and entry["avg_tok_per_sec"] is None
     assert entry["mfu"] == pytest.approx(0.389)

@@ -244,3 +244,25 @@ def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
     assert step_model.find_gpu("H200").bandwidth_gb_per_s == 4800
     assert step_model.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
     assert ROOT.joinpath("bench", "roofline.py").exists()
+
+
+def test_no_ceiling_lies_below_a_published_measurement_and_the_readme_shows_them():
+    """bench/published.py sets others' published tok/s beside the ceiling of the rung doing the closest work: a
+    ceiling below a measurement of the same work would mean the model is wrong. The README shows the same table
+    (its ceilings to within 1%: the count of ops may move slightly between PyTorch versions)."""
+    from bench import published
+
+    found = published.ceilings()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    begin, end = published.BLOCK
+    shown = readme.split(begin, 1)[1].split(end, 1)[0]
+    rows = [line.split(" | ") for line in shown.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(published.PUBLISHED)
+    for (who, what, gpu, batch, measured, rung, _, _), cells in zip(published.PUBLISHED, rows):
+        assert cells[0] == f"| {who}" and cells[1] == what and cells[4] == f"{measured:,.0f}", cells
+        if rung is None:
+            assert cells[6] == "—", cells
+            continue
+        ceiling = found[(gpu, batch, rung)]
+        assert ceiling > measured, (who, what, gpu, batch, rung, ceiling, measured)
+        assert float(cells[6].replace(",", "")) == pytest.approx(ceiling, rel=0.01), (cells, ceiling)

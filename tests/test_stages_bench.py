@@ -43,6 +43,7 @@ def test_the_commands_are_the_ones_a_user_types(tmp_path):
     shown, command = stages.command_of("02", args, tmp_path / "02")
     assert shown == "torchrun --standalone --nproc_per_node=1 02_opt_multi_gpu_ddp.py"
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=1" in command
+    assert "--standalone" in command and "--local-addr=127.0.0.1" in command  # no host name to resolve
     assert command[-2:] == ["--out", tmp_path / "02"]
     shown, command = stages.command_of("00", Namespace(tiny=False, device="cuda"), tmp_path / "00")
     assert shown == "python 00_orig.py --max-steps 200 --device cuda"

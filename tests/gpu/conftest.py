@@ -1,20 +1,27 @@
 """The GPU tier: full-size runs on one CUDA GPU; its log is a report of what it measured.
 
-    python -m pytest -q tests/gpu
+Budget on one H100: two commands of at most 8 minutes each (a lent GPU machine runs one command for at most 10),
+the numbers the README needs first:
 
-Budget on one H100: 8 minutes at most. The estimates in the tests' comments add up to about 8.1 (full-size runs
-6.25, memory and profile 1.7, attention kernels 0.15): guesses at the edge of the budget until a GPU has run the tier,
-and 02's compilation (one graph per DDP bucket, from a cold cache) is the least certain of them. Where one command
-may run for at most 10 minutes, run the files in two commands: test_full_size_runs.py, then the other two.
+    python -m pytest -q tests/gpu/test_full_size_runs.py          # ~6.3 min: the four stages at full size
+    python -m pytest -q tests/gpu/test_memory_and_profile.py tests/gpu/test_attention_kernels.py \
+        tests/gpu/test_checkpointing_under_compile.py              # ~3.5 min: memory, profile, kernels, 03's recompute
+
+The estimates sit in each file's docstring and each test's comments: guesses until a GPU has run the tier, and
+02's compilation (one graph per DDP bucket, from a cold cache) is the least certain of them.
 
 It runs on its own: the CPU suite (python -m pytest -q tests) hides the GPU and leaves this folder out. Without a
 GPU every test is skipped, with the reason on one line, and pytest exits 0. With one, each test hands what it
-measured to `report`, and the lines are printed together at the end of the run, whether the test passed or not
-and whatever pytest's capture settings.
+measured to `report`: every line is printed at once and appended to runs/gpu_tier/measured.txt (or the file
+GPU_TIER_REPORT names) as it is taken, so that a command stopped at its limit loses nothing, and the lines are
+printed together again at the end of the run, whether the test passed or not and whatever pytest's capture settings.
 """
 
 import contextlib
 import datetime
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +29,7 @@ import torch
 import conftest as suite  # tests/conftest.py
 
 MEASURED = pytest.StashKey[list]()
+REPORT_FILE = pytest.StashKey[object]()
 SKIP_REASON = pytest.StashKey[str]()
 
 
@@ -56,6 +64,19 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(line)
 
 
+def report_file(config):
+    """The file that keeps every measured line, headed once per command with the GPU, versions and command line."""
+    if REPORT_FILE not in config.stash:
+        path = Path(os.environ.get("GPU_TIER_REPORT") or suite.ROOT / "runs" / "gpu_tier" / "measured.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as file:
+            file.write(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | "
+                       f"{torch.cuda.get_device_name()} | PyTorch {torch.__version__}, CUDA {torch.version.cuda} | "
+                       f"{' '.join(sys.argv)}\n")
+        config.stash[REPORT_FILE] = path
+    return config.stash[REPORT_FILE]
+
+
 @pytest.fixture
 def report(request):
     """report(text): one line of the GPU report. Printed at once, past pytest's capture, so that a command stopped
@@ -63,9 +84,12 @@ def report(request):
     lines = request.config.stash.setdefault(MEASURED, [])
     capture = request.config.pluginmanager.getplugin("capturemanager")
     terminal = request.config.pluginmanager.getplugin("terminalreporter")
+    path = report_file(request.config)
 
     def add(line):
         lines.append(line)
+        with path.open("a", encoding="utf-8") as file:  # opened and closed per line: nothing waits in a buffer
+            file.write(f"{request.node.nodeid}: {line}\n")
         if terminal is not None:
             with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
                 terminal.write_line(f"\nmeasured: {line}", flush=True)

@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import common
 from bench.ladder import parent_death_signal, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN_ONE_PROCESS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+TORCHRUN_ONE_PROCESS = [sys.executable, *common.SINGLE_NODE_TORCHRUN, "--nproc_per_node=1"]
 
 
 @dataclass
@@ -74,7 +75,7 @@ def run_stage(script, *flags, out, env=None, torchrun=False, timeout=300, keep_c
 
 LOG_LINE = re.compile(r"Ep (\d+), Step (\d+), Train: ([^,\s]+), Val: ([^,\s]+), Step tok/sec: (\d+|n/a), "
                       r"Avg tok/sec: (\d+|n/a)(?:, MFU: ([\d.]+)%)?")
-MEMORY_LINE = re.compile(r"(Allocated|Reserved) memory: ([\d.]+) GB")
+MEMORY_LINE = re.compile(r"(Allocated|Reserved) memory: ([\d.]+) GiB")
 TRACED_FRAME = re.compile(r"(?:\[(\d+)/(\d+)(?:_\d+)?\]\s+)?(?:Step 1: )?torchdynamo start tracing (\S+)")
 DDP_SPLIT = re.compile(r"DDPOptimizer used bucket cap (\d+) and created (\d+) buckets")
 
@@ -96,7 +97,7 @@ def log_entries(stdout):
 
 
 def memory_gb(stdout):
-    """{"allocated": GB, "reserved": GB} from the last memory lines printed after an epoch (empty off CUDA)."""
+    """{"allocated": GiB, "reserved": GiB} from the last memory lines printed after an epoch (empty off CUDA)."""
     return {kind.lower(): float(value) for kind, value in MEMORY_LINE.findall(stdout)}
 
 

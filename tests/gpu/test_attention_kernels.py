@@ -5,12 +5,16 @@ Stages 01 to 03 turn cuDNN's attention off (torch.backends.cuda.enable_cudnn_sdp
 first on Hopper GPUs, and it rounds the dropout probability to a multiple of 1/16, so the book's 0.1 would train at
 another rate (PyTorch 2.12 and newer stop routing such rates to it). This file measures that premise on the GPU at
 hand and reports what cuDNN's kernel would have bought; the stage runs of test_full_size_runs.py check which kernel
-the stages' compiled steps really use.
+the stages' compiled steps really use. Every call of cuDNN's attention runs in a child process of its own: an error
+it leaves behind in CUDA's context (a sticky one poisons every later CUDA call) cannot fail this process's tests.
 
 Budget on one H100: about 10 s.
 """
 
+import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,22 +95,51 @@ def milliseconds_per_training_call(backend, dropout, repeats=10):
     return statistics.median(times)
 
 
-def test_the_stages_attention_is_flashattention_and_drops_what_dropout_p_says(report):
+def cudnn_probe_in_this_process():
+    """The child's work: what cuDNN's attention drops and costs, as one line of JSON ("refused: ..." where it fails)."""
+    def attempt(measure):
+        try:
+            return measure()
+        except Exception as error:  # e.g. PyTorch 2.12+: cuDNN's attention refuses a dropout of 0.1
+            return f"refused: {(str(error).splitlines() or [type(error).__name__])[0][:200]}"
+
+    print(json.dumps({"dropout": attempt(lambda: applied_dropout(SDPBackend.CUDNN_ATTENTION)),
+                      **{f"ms at {dropout}": attempt(lambda: milliseconds_per_training_call(
+                          SDPBackend.CUDNN_ATTENTION, dropout)) for dropout in (DROPOUT, 0.0)}}))
+
+
+def run_cudnn_probe():
+    """cuDNN's measurements, from a child process; {"error": ...} where the child itself failed."""
+    from gpu.stage_runs import ROOT
+
+    code = ("import sys; sys.path.insert(0, 'tests'); "
+            "from gpu.test_attention_kernels import cudnn_probe_in_this_process; cudnn_probe_in_this_process()")
+    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = child.stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        return {"error": f"the probe's process ended with {child.returncode}: {child.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def cudnn_probe():
+    return run_cudnn_probe()
+
+
+def test_the_stages_attention_is_flashattention_and_drops_what_dropout_p_says(report, cudnn_probe):
     # budget: ~5 s
     default = {dropout: sdpa_choice(ALL_BACKENDS, dropout) for dropout in (DROPOUT, 0.0)}
     stages = sdpa_choice(STAGE_BACKENDS, DROPOUT)
     report(f"SDPA at 01's shapes ({BATCH} x {HEADS} heads x {TOKENS} tokens x {HEAD_DIM}, bf16, training), its own "
            f"choice: {default[DROPOUT]} at dropout {DROPOUT}, {default[0.0]} at 0; with cuDNN's off, as the stages "
            f"set it: {stages}")
-    measured = {}
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        name = backend_name(int(backend))
-        try:
-            measured[name] = applied_dropout(backend)
-        except RuntimeError as error:  # e.g. PyTorch 2.12+: cuDNN's attention refuses a dropout of 0.1
-            report(f"{name} takes no training call at dropout {DROPOUT} here: {str(error).splitlines()[0][:200]}")
+    measured = {"FLASH_ATTENTION": applied_dropout(SDPBackend.FLASH_ATTENTION),
+                "CUDNN_ATTENTION": cudnn_probe.get("dropout", cudnn_probe.get("error"))}  # in a child process
+    for name, result in measured.items():
+        if isinstance(result, str):
+            report(f"{name} takes no training call at dropout {DROPOUT} here: {result}")
             continue
-        dropped, scale = measured[name]
+        dropped, scale = result
         report(f"{name} at dropout_p={DROPOUT}: {dropped:.4f} of the attention weights dropped, the kept ones "
                f"scaled by {scale:.4f} (1 / (1 - {DROPOUT}) = {1 / (1 - DROPOUT):.4f})")
     assert stages == "FLASH_ATTENTION", (
@@ -118,17 +151,17 @@ def test_the_stages_attention_is_flashattention_and_drops_what_dropout_p_says(re
 
 
 @pytest.mark.parametrize("dropout", [DROPOUT, 0.0])
-def test_what_each_attention_kernel_costs_per_training_call(dropout, report):
+def test_what_each_attention_kernel_costs_per_training_call(dropout, report, cudnn_probe):
     """A report, not a judgement: what cuDNN's attention would save per layer and step if the dropout allowed it
     (the ladder's --option cudnn-attention measures it in the whole step)."""
-    # budget: ~2 s each
-    costs = {}
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        try:
-            costs[backend_name(int(backend))] = milliseconds_per_training_call(backend, dropout)
-        except RuntimeError:
-            costs[backend_name(int(backend))] = None
-    shown = ", ".join(f"{name} {'refused' if ms is None else f'{ms:.3f} ms'}" for name, ms in costs.items())
+    # budget: ~2 s each, and ~10 s once for the cuDNN probe's process
+    try:
+        flash = milliseconds_per_training_call(SDPBackend.FLASH_ATTENTION, dropout)
+    except RuntimeError:
+        flash = None
+    costs = {"FLASH_ATTENTION": flash, "CUDNN_ATTENTION": cudnn_probe.get(f"ms at {dropout}", cudnn_probe.get("error"))}
+    shown = ", ".join(f"{name} {'refused' if not isinstance(ms, float) else f'{ms:.3f} ms'}"
+                      for name, ms in costs.items())
     report(f"one SDPA forward and backward at 01's shapes, dropout {dropout} ({LAYERS} of them in a step of "
            f"GPT-2 small): {shown}")
     assert costs["FLASH_ATTENTION"] is not None, "FlashAttention took no training call at 01's shapes"

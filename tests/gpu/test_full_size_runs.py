@@ -72,8 +72,9 @@ def check_full_size_run(run, label, report):
     memory = memory_gb(run.stdout)
     report(f"{label}: {STEPS} steps of {BATCH} x 1,024 tokens in {run.seconds:.0f} s (start-up and compilation "
            f"included) | {shown(metrics.get('avg_tok_per_sec'), ',.0f')} tok/s after the first interval | MFU "
-           f"{shown(metrics.get('mfu'), '.1%')} | reserved {shown(memory.get('reserved'), '.2f')} GB at the end, "
-           f"peak {shown(metrics.get('peak_reserved_gb'), '.2f')} GB | final validation loss "
+           f"{shown(metrics.get('mfu'), '.1%')} | reserved {shown(memory.get('reserved'), '.2f')} GiB at the end, "
+           f"peak {shown(metrics.get('peak_reserved_gb'), '.2f')} GiB after the first interval "
+           f"({shown(metrics.get('first_interval_peak_reserved_gb'), '.2f')} GiB in it) | final validation loss "
            f"{shown(entries[-1]['val_loss'] if entries else None, '.4f')}")
     assert run.returncode == 0, run.describe()
     logged_steps = sorted({*range(0, STEPS, EVAL_FREQ), STEPS - 1})  # every EVAL_FREQ steps, and the last
@@ -82,7 +83,7 @@ def check_full_size_run(run, label, report):
     # not "truthy": the first interval of 01, 02 and 03 holds the compilation and prints "MFU: 0.0%"
     assert all(entry["mfu"] is not None for entry in entries), (
         "log lines without MFU: the header's 'MFU' line says why (is this GPU in common.PEAK_TFLOPS?)" + run.describe())
-    assert "reserved" in memory, "no 'Reserved memory: ... GB' line after the epoch" + run.describe()
+    assert "reserved" in memory, "no 'Reserved memory: ... GiB' line after the epoch" + run.describe()
     assert SAMPLE_PROMPT in run.stdout, "no sample after the epoch" + run.describe()
     report(f"{label}: {common.wall_clock_line(metrics['wall_clock_s'])}; {run.seconds:.1f} s for the whole command")
     suite.check_wall_clock(run.stdout, run.out, compiled=not label.startswith("00"))
@@ -130,6 +131,22 @@ def test_03_trains_at_full_size_under_torchrun_with_fsdp2(run_03, report):  # bu
     assert metrics["world_size"] == 1 and "world size: 1" in run_03.stdout, run_03.describe()
     breaks = torch_log(run_03.stderr, "graph_breaks", "Graph break in user code")
     assert not breaks, "TORCH_LOGS=graph_breaks:\n" + "\n".join(breaks[:60]) + run_03.describe()
+
+
+def test_03s_separately_compiled_loss_costs_a_logits_gradient_of_its_own(run_02, run_03, report):
+    """A report: 03 compiles its loss apart from the sharded model, so the logits enter that graph as an input and
+    AOTAutograd gives their gradient a buffer of its own, where 01 and 02 write it over the saved logits. At world
+    size 1 sharding saves nothing, so the steady-state peaks of 03 and 02 differ by about that buffer (plus FSDP's
+    bf16 copies of the gathered weights)."""
+    # budget: none (the runs' metrics)
+    assert run_02.returncode == 0 and run_03.returncode == 0, run_02.describe() + run_03.describe()
+    peaks = {name: run.metrics()["peak_allocated_gb"] for name, run in (("02", run_02), ("03", run_03))}
+    metrics = run_03.metrics()
+    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / common.GIB
+    report(f"steady-state peak allocated at batch {BATCH}: 02 {shown(peaks['02'], '.2f')} GiB, 03 "
+           f"{shown(peaks['03'], '.2f')} GiB; bf16 logits {logits:.2f} GiB, weights in bf16 "
+           f"{metrics['parameters'] * 2 / common.GIB:.2f} GiB")
+    assert None not in peaks.values(), "a run without a steady state: more steps than one interval are needed"
 
 
 @pytest.mark.parametrize("stage", ["01", "02", "03"])
