@@ -159,6 +159,18 @@ def check_wall_clock(stdout, out, compiled):
     assert lines == [common.wall_clock_line(split)] and stdout.rstrip().endswith(lines[0]), stdout[-2000:]
 
 
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """Step 5's bf16 path on every CPU for an in-process test (the test hook): a CPU without bfloat16 arithmetic
+    trains in float32, where a test about bf16 logits would check nothing. Processes the test starts inherit it."""
+    import common
+
+    monkeypatch.setenv(common.FORCE_PRECISION_VARIABLE, "bf16")
+    common.autocast_precision.cache_clear()
+    yield
+    common.autocast_precision.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def stage00():
     return load_stage("00_orig.py")

@@ -43,13 +43,13 @@ def first_block(model):
 def composed():
     """Rungs 0 to 10 with the tiny config, composed once for all the composition tests, as on a CPU that computes
     in bf16 (the test hook), so that step 5's bf16 path is checked on every CPU."""
-    os.environ[common.FORCE_PRECISION_VARIABLE] = "bf16"
-    common.autocast_precision.cache_clear()
-    try:
-        return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
-    finally:
-        del os.environ[common.FORCE_PRECISION_VARIABLE]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(common.FORCE_PRECISION_VARIABLE, "bf16")
         common.autocast_precision.cache_clear()
+        try:
+            return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
+        finally:
+            common.autocast_precision.cache_clear()
 
 
 def test_rung_0_is_stage_00(composed):
@@ -112,7 +112,7 @@ def logits_dtype_in_a_training_step(rung):
     return seen[0]
 
 
-def test_rung_5_is_bf16_autocast_around_stage_00s_layers(composed):
+def test_rung_5_is_bf16_autocast_around_stage_00s_layers(composed, bf16_cpu):  # the step decides at run time too
     block = first_block(composed[5].model)
     assert type(block.norm1).__module__.startswith("ladder_00_orig")  # still the hand-written LayerNorm
     assert type(block.ff.layers[1]).__module__.startswith("ladder_00_orig")  # and GELU

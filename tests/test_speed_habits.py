@@ -55,7 +55,7 @@ def largest_allocation(run):
     return max(event.cpu_memory_usage for event in prof.events() if event.cpu_memory_usage > 0)
 
 
-def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage):
+def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage, bf16_cpu):
     model = tiny_model(stage)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     inputs, targets = tiny_batch(stage)
@@ -82,7 +82,7 @@ def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage):
     assert max(largest.values()) < float32_logits
 
 
-def test_the_loss_keeps_float32_precision(stage):
+def test_the_loss_keeps_float32_precision(stage, bf16_cpu):
     """bf16 would round a loss near 10.9 to a multiple of 1/16 (10.875, 10.9375): the loss must not be."""
     model = tiny_model(stage).eval()
     inputs, targets = tiny_batch(stage)

@@ -151,22 +151,21 @@ def test_stage01_tiny_run_end_to_end(tmp_path, small_text, compile_flag):
 
 
 def test_bf16_learns_as_well_as_float32(tmp_path, small_text):
-    """01 in bf16 (padded vocab, fused kernels) must reach stage 00's float32 validation loss after the same steps."""
+    """01 with bf16 autocast must learn as 01 in float32 does: the same initial weights, batches and dropout, so only
+    rounding separates them. bf16 on every CPU through the test hook (emulated where the CPU has no bf16: slow, so a
+    short run)."""
     val_losses = {}
-    for script in ("00_orig.py", "01_opt_single_gpu.py"):
-        out = tmp_path / script
-        flags = ["--no-compile"] if script.startswith("01") else []
-        result = run_script(script, "--tiny", "--data", small_text, "--out", out, "--epochs", "3",
-                            "--max-steps", "81", "--eval-freq", "40", "--eval-iter", "10", *flags,
-                            env={common.FORCE_PRECISION_VARIABLE: "bf16"})  # bf16 on every CPU (00 ignores it)
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        result = run_script("01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", out, "--epochs", "3",
+                            "--max-steps", "40", "--eval-freq", "39", "--eval-iter", "5", "--no-compile",
+                            env={common.FORCE_PRECISION_VARIABLE: precision})
         assert result.returncode == 0, result.stderr[-3000:]
+        assert f"precision: {precision} (forced by the test hook" in result.stdout
         log = json.loads((out / "metrics.json").read_text())["log"]
-        assert log[-1]["step"] == 80
-        val_losses[script] = log[-1]["val_loss"]
-    assert val_losses["00_orig.py"] < 8.0  # both really learned (from 10.9)
-    # Measured at step 80 (seeds 123, 1, 2; 00 -> 01): 7.314 -> 7.363, 7.440 -> 7.277, 7.304 -> 7.293.
-    # The two stages draw their initial weights in a different order, so seeds move each by up to 0.16;
-    # with identical initial weights bf16 autocast trails float32 by at most 0.03. Pure bf16 weights
-    # (no float32 master copy: AdamW's small updates round away) trailed by 0.11 with identical weights
-    # and by 0.155 here at seed 123. So: 01 may be better, but not worse by more than 0.08.
-    assert val_losses["01_opt_single_gpu.py"] <= val_losses["00_orig.py"] + 0.08
+        assert log[-1]["step"] == 39
+        val_losses[precision] = log[-1]["val_loss"]
+    assert val_losses["fp32"] < 9.5  # it really learned (from 10.9)
+    # Measured at step 39 (seeds 123 and 1): bf16 autocast within 0.001 of float32. Pure bf16 weights (no float32
+    # master copy: AdamW's small updates round away) trailed by 0.049 at seed 123, and by 0.11 at step 80.
+    assert abs(val_losses["bf16"] - val_losses["fp32"]) < 0.02, val_losses
