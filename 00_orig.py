@@ -404,19 +404,12 @@ def main():
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
     val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
-    if len(train_dataset) < args.batch_size:
-        raise common.UsageError(
-            f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
-            f"fewer than one batch of {args.batch_size}: use a longer text or a smaller --batch-size")
-    if len(val_dataset) == 0:
-        raise common.UsageError(
-            f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
-            "tokens: use a longer text")
+    common.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
     train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
-          f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens")
+          f"validation {len(val_dataset.tokens):,} tokens | {common.describe_batch(args, context)}")
 
     # Model and optimizer
     torch.manual_seed(args.seed)
@@ -424,7 +417,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"])
     num_params = sum(p.numel() for p in model.parameters())
-    speed = {"context_length": context, "tokens_per_step": args.batch_size * context,
+    speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context,
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "peak_flops": common.peak_flops(device, precision)}
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
@@ -433,7 +426,7 @@ def main():
                             cfg, tokenizer.n_vocab))
     print(common.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
-        print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
+        print(common.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
 
     resume = None
     if args.resume:

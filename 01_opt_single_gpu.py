@@ -303,10 +303,12 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             if off_clock:
                 clock.stop(wait=False)  # the events count queued kernels: let the GPU run on
             optimizer.zero_grad()
-            with inspector.region("forward with loss"):
-                loss = calc_loss_batch(input_batch, target_batch, model, device)
-            with inspector.region("backward"):
-                scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
+            micro_batches = zip(input_batch.chunk(args.grad_accum_steps), target_batch.chunk(args.grad_accum_steps))
+            for micro_inputs, micro_targets in micro_batches:  # NEW (step 10): --grad-accum-steps passes per step
+                with inspector.region("forward with loss"):  # NEW (step 10): gradients add up, so each loss / N
+                    loss = calc_loss_batch(micro_inputs, micro_targets, model, device) / args.grad_accum_steps
+                with inspector.region("backward"):
+                    scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
             with inspector.region("optimizer step"):
                 scaler.step(optimizer)  # NEW (step 5, float16 only): skips a step whose gradients overflowed
                 scaler.update()
@@ -400,6 +402,7 @@ def plot_losses(history, path_stem):
 def main():
     parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
+    parser.add_argument("--grad-accum-steps", type=common.whole_number(1), help=common.GRAD_ACCUM_HELP)  # NEW (step 10)
     args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
     cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
@@ -425,19 +428,13 @@ def main():
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
     val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
-    if len(train_dataset) < args.batch_size:
-        raise common.UsageError(
-            f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
-            f"fewer than one batch of {args.batch_size}: use a longer text or a smaller --batch-size")
-    if len(val_dataset) == 0:
-        raise common.UsageError(
-            f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
-            "tokens: use a longer text")
-    train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
+    common.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
+    train_loader = create_dataloader(train_dataset, args.batch_size * args.grad_accum_steps,  # NEW (step 10): one
+                                     shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
-          f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens")
+          f"validation {len(val_dataset.tokens):,} tokens | {common.describe_batch(args, context)}")
 
     # Model and optimizer
     torch.manual_seed(args.seed)
@@ -447,7 +444,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
-    speed = {"context_length": context, "tokens_per_step": args.batch_size * context,
+    speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context,
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "peak_flops": common.peak_flops(device, precision)}
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
@@ -456,7 +453,7 @@ def main():
                             cfg, tokenizer.n_vocab))
     print(common.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
-        print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
+        print(common.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
 
     resume = None
     if args.resume:

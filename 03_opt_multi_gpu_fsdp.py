@@ -318,10 +318,14 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             if off_clock:
                 clock.stop(wait=False)  # the events count queued kernels: let the GPU run on
             optimizer.zero_grad()
-            with inspector.region("forward with loss"):
-                loss = calc_loss_batch(input_batch, target_batch, model, device)
-            with inspector.region("backward"):
-                scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
+            micro_batches = zip(input_batch.chunk(args.grad_accum_steps), target_batch.chunk(args.grad_accum_steps))
+            for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):  # NEW (DDP): numbered
+                # NEW (FSDP): unlike 02, every micro-batch reduce-scatters: the shards stay small (README: "Gradient
+                # accumulation": FSDP gathers the weights for every pass anyway, so skipping saves far less)
+                with inspector.region("forward with loss"):  # NEW (step 10): gradients add up, so each loss / N
+                    loss = calc_loss_batch(micro_inputs, micro_targets, model, device) / args.grad_accum_steps
+                with inspector.region("backward"):
+                    scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
             with inspector.region("optimizer step"):
                 scaler.step(optimizer)  # NEW (step 5, float16 only): skips a step whose gradients overflowed
                 scaler.update()
@@ -451,6 +455,7 @@ def shard_model(model, device, activation_checkpointing):
 def main():
     parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
+    parser.add_argument("--grad-accum-steps", type=common.whole_number(1), help=common.GRAD_ACCUM_HELP)  # NEW (step 10)
     parser.add_argument("--activation-checkpointing", action="store_true",  # NEW (FSDP)
                         help="recompute each block's activations in backward: less memory for ~1/3 more FLOPs")
     args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
@@ -480,20 +485,13 @@ def main():
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
     val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
-    if len(train_dataset) < args.batch_size * world_size:  # NEW (DDP): one batch for every process
-        raise common.UsageError(
-            f"the training split of '{args.data}' holds {len(train_dataset)} windows of {context + 1} tokens, "
-            f"fewer than {world_size} batches of {args.batch_size}: use a longer text or smaller batches")  # NEW (DDP)
-    if len(val_dataset) == 0:
-        raise common.UsageError(
-            f"the validation split (the last 10%) of '{args.data}' is shorter than one window of {context + 1} "
-            "tokens: use a longer text")
-    train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
+    common.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
+    train_loader = create_dataloader(train_dataset, args.batch_size * args.grad_accum_steps,  # NEW (step 10): one
+                                     shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
-          f"validation {len(val_dataset.tokens):,} tokens | batch {args.batch_size} x {context} tokens per process, "
-          f"global batch {world_size * args.batch_size} sequences")  # NEW (DDP)
+          f"validation {len(val_dataset.tokens):,} tokens | {common.describe_batch(args, context)}")
 
     # Model and optimizer
     torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; DDP gives all rank 0's weights
@@ -506,7 +504,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
-    speed = {"context_length": context, "tokens_per_step": args.batch_size * context * world_size,  # NEW (DDP)
+    speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context * world_size,  # NEW (DDP)
              "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
              "hardware_flops_per_token": sharding.hardware_flops_per_token(cfg, tokenizer.n_vocab,  # NEW (FSDP): HFU
                                                                            args.activation_checkpointing),
@@ -517,7 +515,7 @@ def main():
     print(common.mfu_line(device, precision))
     memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
     if device.type == "cpu" and not args.tiny:
-        print(common.cpu_speed_note(speed["flops_per_token"] * args.batch_size * context, len(train_loader)))
+        print(common.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
 
     resume = None
     if args.resume:

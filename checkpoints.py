@@ -172,7 +172,7 @@ def load_checkpoint(args, tokens_per_step):
     checkpoint, path = args.checkpoint, args.resume
     if checkpoint["tokens_per_step"] != tokens_per_step:
         raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']} tokens per step, "
-                         f"this run {tokens_per_step}: use the same --batch-size and number of processes")
+                         f"this run {tokens_per_step}: use the same --batch-size x --grad-accum-steps x processes")
     if checkpoint["settings"].get("seed") != args.seed:
         raise UsageError(f"--resume {path}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
                          "pass the same seed, so the batch order continues")

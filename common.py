@@ -92,9 +92,14 @@ def model_config(args, config, tiny_config):
 # Flags that a resumed run takes from its checkpoint unless they are given again: (flag, key in the settings).
 RESUMED_FLAGS = (("epochs", "num_epochs"), ("max_steps", "max_steps"), ("eval_freq", "eval_freq"),
                  ("eval_iter", "eval_iter"), ("save_every", "save_every"), ("data", "data"),
-                 ("batch_size", "batch_size"), ("seed", "seed"), ("tiny", "tiny"), ("model", "model"))
+                 ("batch_size", "batch_size"), ("seed", "seed"), ("tiny", "tiny"), ("model", "model"),
+                 ("grad_accum_steps", "grad_accum_steps"))  # the last: stages 01 to 03 only
 # What a flag left unset means when there is no checkpoint to take it from (the rest come from the stage's dicts).
-PLAIN_DEFAULTS = {"save_every": 0, "data": "shakespeare", "seed": 123, "tiny": False, "model": "gpt2-small"}
+PLAIN_DEFAULTS = {"save_every": 0, "data": "shakespeare", "seed": 123, "tiny": False, "model": "gpt2-small",
+                  "grad_accum_steps": 1}
+# The help of 01 to 03's --grad-accum-steps (step 10: the batch a step needs, in micro-batches that fit)
+GRAD_ACCUM_HELP = ("micro-batches of --batch-size per optimizer step, each its own forward and backward pass; "
+                   "the global batch is --batch-size x N x processes (default: 1)")
 
 
 def build_parser(description, settings, tiny_settings):
@@ -171,14 +176,14 @@ def resolve_settings(args, settings, tiny_settings):
         args.checkpoint = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name)
         saved = args.checkpoint["settings"]
         for flag, key in RESUMED_FLAGS:
-            if getattr(args, flag) is None and key in saved:
+            if getattr(args, flag, False) is None and key in saved:  # False: a flag this stage does not have
                 setattr(args, flag, saved[key])
                 args.from_checkpoint.append(flag)
         if args.out is None:
             args.out = str(Path(args.resume).parent)
             args.from_checkpoint.append("out")
     for flag, value in PLAIN_DEFAULTS.items():
-        if getattr(args, flag) is None:
+        if getattr(args, flag, False) is None:
             setattr(args, flag, value)
     chosen = tiny_settings if args.tiny else settings
     for flag, key in (("epochs", "num_epochs"), ("batch_size", "batch_size"),
@@ -198,7 +203,41 @@ def run_settings(args, settings, tiny_settings):
     return {**(tiny_settings if args.tiny else settings), "num_epochs": args.epochs, "batch_size": args.batch_size,
             "eval_freq": args.eval_freq, "eval_iter": args.eval_iter, "max_steps": args.max_steps,
             "save_every": args.save_every, "seed": args.seed, "data": args.data, "tiny": args.tiny,
-            "model": args.model}
+            "model": args.model, **({"grad_accum_steps": args.grad_accum_steps} if hasattr(args, "grad_accum_steps")
+                                    else {})}
+
+
+def processes():
+    """The processes of this job: torchrun's WORLD_SIZE, else 1."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def describe_batch(args, context):
+    """The header's batch: "batch 8 x 1024 tokens", or with accumulation or several processes, e.g. "batch 8 x
+    4 accumulation steps x 2 processes = 64 sequences (65,536 tokens) per optimizer step"."""
+    steps, world = getattr(args, "grad_accum_steps", 1), processes()
+    if steps == 1 and world == 1:
+        return f"batch {args.batch_size} x {context} tokens"
+    parts = [f"batch {args.batch_size}"] + ([f"{steps} accumulation steps"] if steps > 1 else []) + (
+        [f"{world} processes"] if world > 1 else [])
+    sequences = args.batch_size * steps * world
+    return f"{' x '.join(parts)} = {sequences} sequences ({sequences * context:,} tokens) per optimizer step"
+
+
+def check_splits(args, train_windows, val_windows, context):
+    """Refuse (exit code 2) a corpus too short for one optimizer step (every micro-batch of every process) or for
+    one validation window."""
+    steps, world = getattr(args, "grad_accum_steps", 1), processes()
+    needed = args.batch_size * steps * world
+    if train_windows < needed:
+        per_step = " x ".join([str(args.batch_size)] + ([f"{steps} accumulation steps"] if steps > 1 else [])
+                              + ([f"{world} processes"] if world > 1 else []))
+        raise UsageError(f"the training split of '{args.data}' holds {train_windows} windows of {context + 1} tokens, "
+                         f"fewer than one optimizer step of {per_step} = {needed}: use a longer text or a smaller "
+                         "--batch-size" + (" or fewer --grad-accum-steps" if steps > 1 else ""))
+    if val_windows == 0:
+        raise UsageError(f"the validation split (the last 10%) of '{args.data}' is shorter than one window of "
+                         f"{context + 1} tokens: use a longer text")
 
 
 def resume_line(args, checkpoint):

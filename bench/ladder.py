@@ -165,12 +165,16 @@ def build_parser():
 
 
 def resolve_defaults(args):
+    from bench.rungs import SCRIPT_OPTIONS
+
+    composed_only = bool(set(args.option) - SCRIPT_OPTIONS)  # an option the stage scripts (rungs 11-12) lack
     if args.rungs is None:
-        args.rungs = parse_rungs("0-10" if args.option else "all")
-    named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with --option (missing_rungs)
-    if args.option and any(number >= 11 for number in named) and args.run_rung is None:
+        args.rungs = parse_rungs("0-10" if composed_only else "all")
+    named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with such an option (missing_rungs)
+    if composed_only and any(number >= 11 for number in named) and args.run_rung is None:
         raise common.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
-                                "as they are): add --rungs 0-10, or a subset of it")
+                                "as they are; of the options they take only grad-accum): add --rungs 0-10, or a "
+                                "subset of it")
     if not args.rungs and not args.check_scripts:
         raise common.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
     if args.option and args.check_scripts:
@@ -512,11 +516,21 @@ def script_steps_per_epoch(stage, args, processes):
     return len(dataset) // processes // batch_size  # the shards of DistributedSampler, then whole batches
 
 
-def script_flags(args, run_dir, max_steps, window):
-    """The flags a stage script runs with in the ladder: the ladder's settings, its schedule and --out."""
+def script_flags(args, run_dir, max_steps, window, stage=None):
+    """The flags a stage script runs with in the ladder: the ladder's settings, its schedule and --out; with
+    --option grad-accum, the batch (the stage's own or --batch-size) as micro-batches of --grad-accum-steps."""
+    from bench.rungs import ACCUMULATION_STEPS
+
+    batch = ["--batch-size", args.batch_size] if args.batch_size else []
+    if "grad-accum" in args.option and stage is not None:
+        whole = args.batch_size or own_batch_size(stage, args.tiny)
+        if whole % ACCUMULATION_STEPS:
+            raise ValueError(f"--option grad-accum: batch {whole} does not divide into {ACCUMULATION_STEPS} "
+                             "micro-batches (give --batch-size a multiple of it)")
+        batch = ["--batch-size", whole // ACCUMULATION_STEPS, "--grad-accum-steps", ACCUMULATION_STEPS]
     return (["--data", args.data, "--device", args.device, "--seed", args.seed, "--model", args.model,
              "--max-steps", max_steps, "--eval-freq", window, "--eval-iter", 1, "--epochs", 1000, "--out", run_dir]
-            + (["--tiny"] if args.tiny else []) + (["--batch-size", args.batch_size] if args.batch_size else []))
+            + (["--tiny"] if args.tiny else []) + batch)
 
 
 def start_run_folder(run_dir):
@@ -557,7 +571,8 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
     window, measured_ends, max_steps = script_schedule(args.warmup, args.steps, args.windows, steps_per_epoch)
     start_run_folder(run_dir)
     try:
-        code, tail = run_streaming([*launcher, script, *script_flags(args, run_dir, max_steps, window)], log_path,
+        code, tail = run_streaming([*launcher, script, *script_flags(args, run_dir, max_steps, window, stage)],
+                                   log_path,
                                    timeout)
     finally:
         drop_checkpoints(run_dir)  # also after a failure or an interrupt: a checkpoint is never needed here
@@ -631,6 +646,10 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
                                 f"as an input and their gradient takes a buffer of its own ({row['bf16_logits_gb']:.2f}"
                                 " GiB in bf16), where 01 and 02 write it over the saved logits: memory that has "
                                 "nothing to do with sharding")
+        if "grad-accum" in args.option:
+            from bench.rungs import ACCUMULATION_STEPS, OPTIONS
+            row["notes"].append(f"option grad-accum: batch {row['batch_size']} x --grad-accum-steps "
+                                f"{ACCUMULATION_STEPS} per process: {OPTIONS['grad-accum']}")
         override = batch_size_note(args.batch_size, row["stage_batch_size"])
         if override:
             row["notes"].append(override)
@@ -682,7 +701,10 @@ def missing_rungs(args, existing):
 
     existing = existing or {}
     measured = {row["rung"] for row in existing.get("rungs", []) if row.get("error") != report.INTERRUPTED}
-    candidates = [number for number in ALL_RUNGS if not (args.option and number >= 11)]
+    from bench.rungs import SCRIPT_OPTIONS
+
+    composed_only = bool(set(args.option) - SCRIPT_OPTIONS)
+    candidates = [number for number in ALL_RUNGS if not (composed_only and number >= 11)]
     checked = checked_scripts(existing)
     checks_left = args.check_scripts and any(script not in checked for script, _ in script_checks())
     return [number for number in candidates if number not in measured], checks_left

@@ -123,6 +123,7 @@ class StepMemory:
     logits_bytes: int       # the logits (and their gradient): tokens x vocabulary in the autocast dtype
     chunk_tokens: int = None  # the head and the loss in chunks of this many tokens (bench/chunked_loss.py)
     donated: bool = True    # torch._functorch.config.donated_buffer: the backward may write over saved tensors
+    grad_accum_steps: int = 1  # micro-batches per optimizer step: from the second on, the gradients are kept
 
     @property
     def saved_bytes(self):
@@ -145,8 +146,15 @@ class StepMemory:
         return self.logits_bytes * min(self.chunk_tokens, tokens) // tokens
 
     @property
+    def kept_gradient_bytes(self):
+        """With accumulation, the float32 gradients of the micro-batches before are held while the next one's
+        backward starts: 4 bytes per parameter on top of the peak (without it they are made during the backward,
+        while the saved tensors are freed)."""
+        return 4 * self.num_params if self.grad_accum_steps > 1 else 0
+
+    @property
     def peak_bytes(self):
-        return self.states_bytes + self.saved_bytes + self.head_bytes
+        return self.states_bytes + self.saved_bytes + self.head_bytes + self.kept_gradient_bytes
 
 
 def _op_name(node):
@@ -305,7 +313,9 @@ def report(memory, smallest_row_bytes=2**20):
                                                  if memory.chunk_tokens else
                                                  f"the logits' gradient {_gib(memory.head_bytes)}"
                                                  + (" (written over the saved logits: donated_buffer)"
-                                                    if memory.donated else "")),
+                                                    if memory.donated else ""))
+              + (f" + the gradients kept between the {memory.grad_accum_steps} micro-batches "
+                 f"{_gib(memory.kept_gradient_bytes)}" if memory.kept_gradient_bytes else ""),
               "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
     return "\n".join(lines)
 
@@ -321,6 +331,8 @@ def build_parser():
     parser.add_argument("--chunked-loss", action="store_true",
                         help=f"the head and the loss in chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient "
                              "made in the forward (bench/chunked_loss.py; the ladder's --option chunked-loss)")
+    parser.add_argument("--grad-accum-steps", type=int, default=1, metavar="N",
+                        help="micro-batches of --batch-size per optimizer step, as 01's flag (default 1)")
     return parser
 
 
@@ -332,7 +344,11 @@ def main(argv=None):
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, not {args.batch_size}")
     chunk_tokens = chunked_loss.CHUNK_TOKENS if args.chunked_loss else None
-    print(report(trace_step(args.rung, args.model, args.batch_size, args.budget, chunk_tokens=chunk_tokens)))
+    if args.grad_accum_steps < 1:
+        parser.error(f"--grad-accum-steps must be at least 1, not {args.grad_accum_steps}")
+    memory = trace_step(args.rung, args.model, args.batch_size, args.budget, chunk_tokens=chunk_tokens)
+    memory.grad_accum_steps = args.grad_accum_steps
+    print(report(memory))
     return 0
 
 

@@ -3,6 +3,7 @@
   python bench/roofline.py --gpu A100 --out runs/roofline/a100     # A100 alone is the SXM 80 GB part
   python bench/roofline.py --gpu H100 --out runs/roofline/h100     # also "H200", "A100 PCIe", "L40S"...
   python bench/roofline.py --gpu H100 --model gpt2-medium --batch-size 16 --out runs/roofline/h100-medium
+  python bench/roofline.py --gpu H100 --batch-size 8 --grad-accum-steps 4    # each step as 4 micro-batches of 8
 
 For each single-GPU rung of the ladder (0 to 10, at full size and at each rung's own batch, precision and
 kernels) it counts what one training step does, forward, loss, backward and AdamW, in FLOPs and in bytes read
@@ -232,6 +233,8 @@ def build_parser():
                         help="which of the book's GPT-2 sizes (default: gpt2-small)")
     parser.add_argument("--batch-size", type=common.whole_number(1),
                         help="sequences per step for every rung (default: each rung's own, 8 and 32 for rung 10)")
+    parser.add_argument("--grad-accum-steps", type=common.whole_number(1), default=1, metavar="N",
+                        help="each step as N micro-batches of the batch: AdamW once per N (default: 1)")
     return parser
 
 
@@ -240,7 +243,7 @@ def main():
     gpu = find_gpu(args.gpu)  # an unknown GPU fails here, before anything is built
     out = checkpoints.claim_out_dir(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
     started = time.perf_counter()
-    table = build_roofline(gpu, model=args.model, batch_size=args.batch_size)
+    table = build_roofline(gpu, model=args.model, batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps)
     write_outputs(table, out)
     for row in table["rungs"]:
         print(f"rung {row['rung']:2d} {row['change']:<44} floor {_ms(row['floor_seconds']):>8} ms, ceiling "

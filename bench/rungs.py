@@ -59,6 +59,7 @@ CHANGES = {
 # ladder measures a rung with and without one (--option NAME, into a results folder of its own) and the change is
 # kept only if the numbers show it.
 MEMORY_BUDGET = 0.8  # any value from 0.7 to 0.95 gives gpt2-small the same partition: no matmul recomputed
+ACCUMULATION_STEPS = 4  # --option grad-accum: each step's batch as this many micro-batches
 OPTIONS = {
     "max-autotune": "torch._inductor.config.max_autotune = True: Inductor benchmarks Triton templates against "
                     "cuBLAS for every matmul shape and tunes its kernels' launch settings (compiles for minutes)",
@@ -74,6 +75,10 @@ OPTIONS = {
     "chunked-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's: the output head and the loss in "
                     f"chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient made in the forward, so the "
                     "logits are never kept whole (rungs 4-10, whose loss is 01's)",
+    "grad-accum": f"gradient accumulation: each optimizer step's batch as {ACCUMULATION_STEPS} micro-batches of a "
+                  f"{ACCUMULATION_STEPS}th of it, their gradients summed (the same math: rung 10 as 4 x 8 against "
+                  "32 shows what the smaller matmuls cost; rungs 11 and 12 run the stage scripts with "
+                  f"--grad-accum-steps {ACCUMULATION_STEPS}: one all-reduce per step, not per micro-batch)",
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
@@ -84,6 +89,7 @@ OPTIONS = {
 # deprecated fallback, ignored where the new name is set): both, so that no setting of the machine's wins.
 OPTION_ENVIRONMENT = {"expandable-segments": {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
                                               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+SCRIPT_OPTIONS = {"grad-accum"}  # the options rungs 11 and 12 take too (as the stage scripts' own flags)
 SINGLE_PROCESS_RUNGS = range(0, 11)
 MULTI_PROCESS_RUNGS = {11: STAGE_02, 12: STAGE_03}  # run as they are, under torchrun
 ALL_RUNGS = range(0, 13)
@@ -96,7 +102,7 @@ def apply_options(names):
 
     chunked-loss changes the rung's code, not a setting: compose() takes it (its `options`)."""
     for name in names:
-        if name == "chunked-loss":
+        if name in ("chunked-loss", "grad-accum"):  # compose() takes these
             continue
         if name in OPTION_ENVIRONMENT:
             missing = {key: value for key, value in OPTION_ENVIRONMENT[name].items() if os.environ.get(key) != value}
@@ -206,6 +212,7 @@ class Rung:
     data_stage: ModuleType         # the stage whose dataset, DataLoader and calc_loss_batch this rung uses
     scaler: torch.amp.GradScaler   # step 5's gradient scaler: enabled where it autocasts to float16
     notes: list = field(default_factory=list)
+    accumulation: int = 1          # micro-batches per optimizer step (--option grad-accum)
 
     @property
     def batch_size(self):
@@ -222,10 +229,15 @@ class Rung:
         return loader
 
     def train_step(self, inputs, targets):
-        """One optimizer step, the stage scripts' lines (a disabled scaler passes the loss and the step through)."""
+        """One optimizer step, the stage scripts' lines (a disabled scaler passes the loss and the step through);
+        the loss returned is the mean over the step's micro-batches."""
         self.optimizer.zero_grad()
-        loss = self.data_stage.calc_loss_batch(inputs, targets, self.model, self.device)
-        self.scaler.scale(loss).backward()
+        loss = 0
+        for micro_inputs, micro_targets in zip(inputs.chunk(self.accumulation), targets.chunk(self.accumulation)):
+            micro_loss = self.data_stage.calc_loss_batch(micro_inputs, micro_targets, self.model,
+                                                         self.device) / self.accumulation
+            self.scaler.scale(micro_loss).backward()
+            loss = loss + micro_loss.detach()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss
@@ -345,8 +357,14 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     if number < 8:
         stage01.training_loss = stage01.evaluation_loss = stage01.forward_and_loss
     scaler = torch.amp.GradScaler(device.type, enabled=autocasts and precision == "fp16")
+    accumulation = ACCUMULATION_STEPS if "grad-accum" in options else 1
+    if settings["batch_size"] % accumulation:
+        raise ValueError(f"--option grad-accum splits each batch into {accumulation} micro-batches: batch "
+                         f"{settings['batch_size']} does not divide (give --batch-size a multiple of {accumulation})")
+    if accumulation > 1:
+        notes.append(f"{accumulation} micro-batches of {settings['batch_size'] // accumulation} per step")
     return Rung(number=number, device=device, cfg=cfg, settings=settings, precision=precision, model=model,
-                optimizer=optimizer, data_stage=data_stage, scaler=scaler, notes=notes)
+                optimizer=optimizer, data_stage=data_stage, scaler=scaler, notes=notes, accumulation=accumulation)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -705,6 +705,7 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
         "tensor_core_flops": sum(entry["tensor_core_flops"] for entry in classes.values()),
         "bytes": sum(entry["bytes"] for entry in classes.values()),
         "floor_seconds": floor, "ceiling_tok_per_sec": tokens / floor, "classes": classes, "ops": len(ops),
+        "parameters": sum(p.numel() for p in rung.model.parameters()), "bandwidth_gb_per_s": gpu.bandwidth_gb_per_s,
     }
 
 
@@ -719,14 +720,18 @@ def tutorial_reference(gpu, model, batch_size):
             if number in REFERENCE and batch_size in (None, 8 if number < 10 else 32)}
 
 
-def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS):
-    """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before."""
+def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, grad_accum_steps=1):
+    """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before;
+    with `grad_accum_steps`, each step is that many micro-batches of the batch (bench/scaling.py)."""
+    from bench.scaling import accumulated
+
     torch = _torch()
     started = time.perf_counter()
     reference = tutorial_reference(gpu, model, batch_size)
     rows, counted_steps = [], {}
     for number in rung_numbers:
-        row = model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps)
+        row = accumulated(model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps),
+                          grad_accum_steps)
         if number in reference:
             row["tutorial_tok_per_sec"] = reference[number]
             row["tutorial_over_ceiling"] = reference[number] / row["ceiling_tok_per_sec"]
@@ -738,7 +743,7 @@ def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELL
         "gpu_peaks": {"tflops": gpu.tflops, "bandwidth_gb_per_s": gpu.bandwidth_gb_per_s,
                       "ridge_flops_per_byte": {precision: gpu.ridge(precision)
                                                for precision in common.PRECISIONS if gpu.tflops[precision]}},
-        "model": model, "batch_size": batch_size, "torch": torch.__version__,
+        "model": model, "batch_size": batch_size, "grad_accum_steps": grad_accum_steps, "torch": torch.__version__,
         "seconds_to_build": time.perf_counter() - started, "rungs": rows,
     }
 

@@ -1,4 +1,5 @@
-"""Stage 02 compiles forward and loss as one graph that DDP wraps: no graph break at world size 1 either.
+"""Stage 02 compiles forward and loss as one graph that DDP wraps: no graph break at world size 1 either, with
+gradient accumulation too.
 
 The two-process case shares its run with test_speed_habits.py (dropout masks per rank), which also asserts
 that TORCH_LOGS=graph_breaks stays silent there.
@@ -14,7 +15,8 @@ def test_stage02_compiles_without_graph_breaks_in_one_process(small_text, tmp_pa
     # _pre_forward and in contextlib frames: 4 "Graph break" lines in this very run.
     [(rc, stdout, stderr)] = run_all([torchrun(
         "--standalone", "--nproc_per_node=1", "02_opt_multi_gpu_ddp.py", "--tiny", "--data", small_text,
-        "--out", tmp_path / "run", "--max-steps", 4, "--eval-freq", 2, "--eval-iter", 1)], timeout=300,
+        "--out", tmp_path / "run", "--max-steps", 4, "--eval-freq", 2, "--eval-iter", 1,
+        "--batch-size", 2, "--grad-accum-steps", 2)], timeout=300,  # require_backward_grad_sync off, then on
         envs=[clean_env(TORCH_LOGS="graph_breaks,recompiles")])
     assert rc == 0, stdout[-2000:] + stderr[-3000:]
     assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]

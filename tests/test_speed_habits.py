@@ -126,10 +126,11 @@ def compiled_frames(stderr):
 
 
 def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text, tmp_path):
-    # 2 epochs (two samples, train -> eval -> train switches), every validation batch (the last one is short)
+    # 2 epochs (two samples, train -> eval -> train switches), every validation batch (the last one is short),
+    # 2 micro-batches of 4 per step: the step runs the compiled graph twice, at the same shapes
     result = subprocess.run(
         [sys.executable, "01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", tmp_path,
-         "--epochs", "2", "--max-steps", "70", "--eval-freq", "30", "--eval-iter", "100"],
+         "--epochs", "2", "--max-steps", "70", "--eval-freq", "30", "--eval-iter", "100", "--grad-accum-steps", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "TORCH_LOGS": "recompiles,dynamo", "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -297,13 +298,15 @@ def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatc
 
 
 def test_stage02_ranks_draw_their_own_dropout_masks_and_resume_them(small_text, tmp_path):
-    """Compiled, two gloo ranks: no recompiles; the checkpoint holds each rank's own random state."""
+    """Compiled, two gloo ranks, 2 micro-batches per step (the all-reduce switched off for the first): no
+    recompiles, no graph break; the checkpoint holds each rank's own random state."""
     from test_stage02_ddp import clean_env, run_all, torchrun
 
     out = tmp_path / "run"
     [(rc, stdout, stderr)] = run_all([torchrun(
         "--standalone", "--nproc_per_node=2", "02_opt_multi_gpu_ddp.py", "--tiny", "--data", small_text,
-        "--out", out, "--max-steps", 8, "--eval-freq", 4, "--eval-iter", 3)], timeout=400,
+        "--out", out, "--max-steps", 8, "--eval-freq", 4, "--eval-iter", 3, "--batch-size", 2,
+        "--grad-accum-steps", 2)], timeout=400,
         envs=[clean_env(TORCH_LOGS="recompiles,dynamo,graph_breaks")])
     assert rc == 0, stdout[-2000:] + stderr[-3000:]
     assert "Recompiling" not in stderr

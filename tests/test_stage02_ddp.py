@@ -112,8 +112,8 @@ def test_torchrun_two_processes_end_to_end(stage02, small_text, tmp_path):
     assert len(headers) == 1 and "world size: 2" in headers[0], stdout
     data_lines = [line for line in stdout.splitlines() if line.startswith("Data: ")]
     assert len(data_lines) == 1, stdout
-    assert f"batch {TINY_BATCH} x {TINY_CONTEXT} tokens per process" in data_lines[0], data_lines[0]
-    assert "global batch 8 sequences" in data_lines[0], data_lines[0]
+    assert (f"batch {TINY_BATCH} x 2 processes = 8 sequences ({8 * TINY_CONTEXT} tokens) per optimizer step"
+            in data_lines[0]), data_lines[0]
 
     # only rank 0 prints: every log line, sample and summary line once
     lines = log_lines(stdout)
@@ -253,7 +253,7 @@ def test_world_size_one_matches_stage01(small_text, tmp_path):
         assert rc == 0, stdout + stderr
     stdout_02 = results[1][1]
     assert "world size: 1" in stdout_02
-    assert "global batch 4 sequences" in stdout_02
+    assert f"batch {TINY_BATCH} x {TINY_CONTEXT} tokens" in stdout_02  # one process: the batch is the global one
     assert "Weight checksums" not in stdout_02  # one rank has nothing to compare with
 
     m01, m02 = read_metrics(tmp_path / "s01"), read_metrics(tmp_path / "s02")
@@ -288,7 +288,7 @@ def test_two_nodes_of_one_process(small_text, tmp_path):
     assert rc0 == 0, out0 + err0
     assert rc1 == 0, out1 + err1
 
-    assert "world size: 2" in out0 and "global batch 8 sequences" in out0, out0
+    assert "world size: 2" in out0 and "x 2 processes = 8 sequences" in out0, out0
     assert [int(re.search(r"Step (\d+)", line).group(1)) for line in log_lines(out0)] == [0, 2, 3], out0
     assert "Weight checksums of the 2 ranks: identical" in out0, out0
     # node 1's only process is global rank 1: it prints nothing and writes nothing
