@@ -20,8 +20,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import checkpoints
-import common
+import cli
+import devices
+import failures
 import inspection
+import timekeeping
+import utilization
 from data import get_tokenizer, load_text
 
 GPT_CONFIG_124M = {
@@ -196,7 +200,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): non_blocking: the host queues the copy and goes on to queue the step's kernels
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
     # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
-    dtype = common.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
+    dtype = devices.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         if model.training:  # NEW (step 8): training and evaluation are two compiled graphs, so neither recompiles
             return training_loss(model, input_batch, target_batch)
@@ -257,7 +261,7 @@ def generate_and_print_sample(model, tokenizer, device, start_context):
 def check_finite(loss, step, *eval_losses):
     """Stop (exit code 1) once a loss is NaN or infinite; checked at log lines and saves, not every step."""
     if not all(math.isfinite(value) for value in (loss.item(), *eval_losses)):
-        raise common.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
+        raise failures.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
                                    f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
 
 
@@ -275,15 +279,15 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                                            resume["batches_done"])
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
     # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
-    scaler = torch.amp.GradScaler(device.type, enabled=common.autocast_dtype(device) == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
     if resume and resume.get("scaler"):
         scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
-    clock = common.TrainClock(device)
+    clock = timekeeping.TrainClock(device)
     stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
-        raise common.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
+        raise failures.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
                                     f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
                                     "raise --epochs or --max-steps to train on. No file was changed.")
     inspector = inspection.RunInspection(args, device, global_step + 1, total_steps,  # --profile, --memory-snapshot
@@ -330,7 +334,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     history["timed_seconds"] += seconds
                 avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
                                    if history["timed_seconds"] else None)
-                mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
+                mfu = utilization.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
                 heartbeat.doing = "evaluating"
                 train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader,
                                                       device, args.eval_iter)
@@ -346,7 +350,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     "timed_tokens": interval_tokens,
                 })
                 if first_interval:
-                    common.end_of_warm_up(device)  # the steady state's memory peaks count from here
+                    utilization.end_of_warm_up(device)  # the steady state's memory peaks count from here
                 interval_tokens, first_interval = 0, False
                 clock.start()
             stop_signum = stop.requested()
@@ -358,7 +362,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                  "history": history, "rng": checkpoints.rng_state(device),
                                  "scaler": scaler.state_dict()})  # NEW (step 5, float16 only): for --resume
                 if stop_signum:
-                    raise common.Interrupted(stop_signum, global_step)
+                    raise failures.Interrupted(stop_signum, global_step)
                 clock.start()
             if done:
                 break
@@ -368,8 +372,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         generate_and_print_sample(model, tokenizer, device,
                                   start_context="Every effort moves you")
         if device.type == "cuda":
-            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / common.GIB:.4f} GiB")
-            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / common.GIB:.4f} GiB")
+            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / utilization.GIB:.4f} GiB")
+            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / utilization.GIB:.4f} GiB")
         if done:
             break
     history["steps"] = global_step + 1
@@ -400,24 +404,24 @@ def plot_losses(history, path_stem):
 #####################################
 
 def main():
-    parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
+    parser = cli.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
-    parser.add_argument("--grad-accum-steps", type=common.whole_number(1), help=common.GRAD_ACCUM_HELP)  # NEW (step 10)
-    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (step 10)
+    args = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
-    cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
-    settings = common.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
-    device = common.pick_device(args.device)
+    cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
+    settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
+    device = devices.pick_device(args.device)
     # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
     # none). From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
     torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
     # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
     torch.backends.cuda.enable_cudnn_sdp(False)
-    precision, precision_reason = common.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
-    heartbeat = common.Heartbeat()
+    precision, precision_reason = devices.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
+    heartbeat = timekeeping.Heartbeat()
 
-    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | "
+    print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason})")
 
     # Data: 90% of the text trains, 10% validates
@@ -428,32 +432,32 @@ def main():
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
     val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
-    common.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
+    cli.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
     train_loader = create_dataloader(train_dataset, args.batch_size * args.grad_accum_steps,  # NEW (step 10): one
                                      shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
-          f"validation {len(val_dataset.tokens):,} tokens | {common.describe_batch(args, context)}")
+          f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
     torch.manual_seed(args.seed)
     model = GPTModel(cfg).to(device)
     torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
-    common.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
+    devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
-                                  weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
+                                  weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
     speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context,
-             "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
-             "peak_flops": common.peak_flops(device, precision)}
+             "flops_per_token": utilization.flops_per_token(cfg, tokenizer.n_vocab),
+             "peak_flops": utilization.peak_flops(device, precision)}
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
-    print(common.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
-    print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
+    print(utilization.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
+    print(utilization.flops_line(speed["flops_per_token"], utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
-    print(common.mfu_line(device, precision))
+    print(utilization.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
-        print(common.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
+        print(utilization.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
 
     resume = None
     if args.resume:
@@ -461,7 +465,7 @@ def main():
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         checkpoints.restore_rng(resume["rng"], device)  # dropout continues where it left off
-        print(common.resume_line(args, resume))
+        print(cli.resume_line(args, resume))
 
     def save_checkpoint(progress):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
@@ -475,28 +479,28 @@ def main():
         history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),
                               device, args, speed, tokenizer, heartbeat, save_checkpoint, resume)
     except torch.cuda.OutOfMemoryError:
-        raise common.out_of_memory(device, args.batch_size, context) from None
+        raise failures.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes")
 
     # Outputs: metrics.json, loss.pdf/png, model.pth
     heartbeat.doing = "writing outputs"
     avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
     metrics = {
-        "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
+        "script": Path(__file__).name, "device": devices.describe_device(device), "precision": precision,
         "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
         "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
         "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
-        "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": 1,
-        **common.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
+        "mfu": utilization.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": 1,
+        **utilization.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
     metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
     checkpoints.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
     if device.type == "cuda":  # the steady state's peaks beside the first interval's
-        print(common.peak_memory_line(metrics))
+        print(utilization.peak_memory_line(metrics))
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
-    print(common.wall_clock_line(metrics["wall_clock_s"]))
+    print(timekeeping.wall_clock_line(metrics["wall_clock_s"]))
 
 
 if __name__ == "__main__":
-    sys.exit(common.run(main))
+    sys.exit(failures.run(main))

@@ -26,9 +26,13 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler  # NEW (DDP)
 
 import checkpoints
-import common
+import cli
+import devices
+import failures
 import inspection
 import sharding  # NEW (FSDP): sharded checkpoints, the full-weights export, the memory per rank
+import timekeeping
+import utilization
 from data import get_tokenizer, load_text
 
 GPT_CONFIG_124M = {
@@ -203,7 +207,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): non_blocking: the host queues the copy and goes on to queue the step's kernels
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
     # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
-    dtype = common.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
+    dtype = devices.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         if model.training:  # NEW (FSDP): the model runs eagerly around its compiled blocks (FSDP's hooks stay out
             return training_loss(model(input_batch), target_batch)  # of the graphs), then the compiled loss
@@ -272,7 +276,7 @@ def generate_and_print_sample(model, tokenizer, device, start_context):
 def check_finite(loss, step, *eval_losses):
     """Stop (exit code 1) once a loss is NaN or infinite; checked at log lines and saves, not every step."""
     if not all(math.isfinite(value) for value in (loss.item(), *eval_losses)):
-        raise common.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
+        raise failures.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
                                    f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
 
 
@@ -290,15 +294,15 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                                            resume["batches_done"])
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
     # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
-    scaler = torch.amp.GradScaler(device.type, enabled=common.autocast_dtype(device) == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
     if resume and resume.get("scaler"):
         scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
-    clock = common.TrainClock(device)
+    clock = timekeeping.TrainClock(device)
     stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
     interval_tokens, first_interval, done = 0, True, False
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
-        raise common.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
+        raise failures.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
                                     f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
                                     "raise --epochs or --max-steps to train on. No file was changed.")
     inspector = inspection.RunInspection(args, device, global_step + 1, total_steps,  # --profile, --memory-snapshot
@@ -347,8 +351,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     history["timed_seconds"] += seconds
                 avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
                                    if history["timed_seconds"] else None)
-                mfu = common.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
-                hfu = common.mfu(step_tok_per_sec, speed["hardware_flops_per_token"], speed["peak_flops"])  # NEW (FSDP)
+                mfu = utilization.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
+                hfu = utilization.mfu(step_tok_per_sec, speed["hardware_flops_per_token"], speed["peak_flops"])  # NEW (FSDP)
                 heartbeat.doing = "evaluating"
                 train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader,  # NEW (FSDP): itself
                                                       device, args.eval_iter)
@@ -366,7 +370,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     "hfu": hfu,  # NEW (FSDP): MFU with the recomputed forward counted too (equal without it)
                 })
                 if first_interval:
-                    common.end_of_warm_up(device)  # the steady state's memory peaks count from here
+                    utilization.end_of_warm_up(device)  # the steady state's memory peaks count from here
                 interval_tokens, first_interval = 0, False
                 clock.start()
             stop_signum = stop.requested()
@@ -378,7 +382,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                                  "history": history, "rng": checkpoints.rng_state(device),
                                  "scaler": scaler.state_dict()})  # NEW (step 5, float16 only): for --resume
                 if stop_signum:
-                    raise common.Interrupted(stop_signum, global_step)
+                    raise failures.Interrupted(stop_signum, global_step)
                 clock.start()
             if done:
                 break
@@ -388,8 +392,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         generate_and_print_sample(model, tokenizer, device,  # NEW (FSDP): the sharded model itself, every rank
                                   start_context="Every effort moves you")
         if device.type == "cuda":
-            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / common.GIB:.4f} GiB")
-            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / common.GIB:.4f} GiB")
+            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / utilization.GIB:.4f} GiB")
+            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / utilization.GIB:.4f} GiB")
         if done:
             break
     history["steps"] = global_step + 1
@@ -425,8 +429,8 @@ def setup_distributed(device_choice):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process on its node: which GPU
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
-    device = common.pick_device(device_choice, distributed=True)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(devices.free_port()))
+    device = devices.pick_device(device_choice, distributed=True)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before the process group, so that NCCL uses this GPU
@@ -442,7 +446,7 @@ def shard_model(model, device, activation_checkpointing):
     """NEW (FSDP): each rank keeps 1/N of every weight, gradient and AdamW state; a block gathers its weights to run."""
     # bf16 gathers halve the traffic, gradients are reduced in float32, the shards stay float32. Autocast stays: its
     # casts of bf16 weights are no-ops, and it keeps 02's precision per op (on CUDA, layer norms in float32)
-    mixed_precision = MixedPrecisionPolicy(param_dtype=common.autocast_dtype(device), reduce_dtype=torch.float32)
+    mixed_precision = MixedPrecisionPolicy(param_dtype=devices.autocast_dtype(device), reduce_dtype=torch.float32)
     mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))  # this run's device, not the machine's GPU
     for index, block in enumerate(model.trf_blocks):
         if activation_checkpointing:  # keep only the block's input for backward, which recomputes the rest
@@ -453,15 +457,15 @@ def shard_model(model, device, activation_checkpointing):
 
 
 def main():
-    parser = common.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
+    parser = cli.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
-    parser.add_argument("--grad-accum-steps", type=common.whole_number(1), help=common.GRAD_ACCUM_HELP)  # NEW (step 10)
+    parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (step 10)
     parser.add_argument("--activation-checkpointing", action="store_true",  # NEW (FSDP)
                         help="recompute each block's activations in backward: less memory for ~1/3 more FLOPs")
-    args = common.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    args = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
-    cfg = common.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
-    settings = common.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
+    cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
+    settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
     rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
@@ -471,10 +475,10 @@ def main():
     # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
     torch.backends.cuda.enable_cudnn_sdp(False)
-    precision, precision_reason = common.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
-    heartbeat = common.Heartbeat()
+    precision, precision_reason = devices.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
+    heartbeat = timekeeping.Heartbeat()
 
-    print(f"PyTorch {torch.__version__} | device: {common.describe_device(device)} | "
+    print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason}) | world size: {world_size}")  # NEW (DDP)
 
     # Data: 90% of the text trains, 10% validates
@@ -485,13 +489,13 @@ def main():
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
     val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
-    common.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
+    cli.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
     train_loader = create_dataloader(train_dataset, args.batch_size * args.grad_accum_steps,  # NEW (step 10): one
                                      shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
     print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
-          f"validation {len(val_dataset.tokens):,} tokens | {common.describe_batch(args, context)}")
+          f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
     torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; DDP gives all rank 0's weights
@@ -499,29 +503,29 @@ def main():
     for tensor in model.state_dict().values():  # NEW (FSDP): rank 0's initial weights everywhere, as DDP gave them:
         dist.broadcast(tensor, src=0)  # each rank keeps a slice of its own copy
     torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
-    common.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
+    devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
     shard_model(model, device, args.activation_checkpointing)  # NEW (FSDP): in place, before AdamW sees the weights
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
-                                  weight_decay=settings["weight_decay"], fused=common.has_fused(device))  # NEW (step 3)
+                                  weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
     speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context * world_size,  # NEW (DDP)
-             "flops_per_token": common.flops_per_token(cfg, tokenizer.n_vocab),
+             "flops_per_token": utilization.flops_per_token(cfg, tokenizer.n_vocab),
              "hardware_flops_per_token": sharding.hardware_flops_per_token(cfg, tokenizer.n_vocab,  # NEW (FSDP): HFU
                                                                            args.activation_checkpointing),
-             "peak_flops": common.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
+             "peak_flops": utilization.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
     print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
-    print(common.flops_line(speed["flops_per_token"], common.counted_flops_per_token(lambda: GPTModel(cfg), context),
+    print(utilization.flops_line(speed["flops_per_token"], utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
-    print(common.mfu_line(device, precision))
+    print(utilization.mfu_line(device, precision))
     memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
     if device.type == "cpu" and not args.tiny:
-        print(common.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
+        print(utilization.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
 
     resume = None
     if args.resume:
         resume = sharding.load_checkpoint(model, optimizer, args, cfg, len(train_loader))  # NEW (FSDP): its shards
         checkpoints.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout
-        print(common.resume_line(args, resume))
+        print(cli.resume_line(args, resume))
 
     def save_checkpoint(progress):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
@@ -538,7 +542,7 @@ def main():
         history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),  # NEW (FSDP)
                               device, args, speed, tokenizer, heartbeat, save_checkpoint, resume)
     except torch.cuda.OutOfMemoryError:
-        raise common.out_of_memory(device, args.batch_size, context) from None
+        raise failures.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes")
 
     if rank != 0:
@@ -548,22 +552,22 @@ def main():
     heartbeat.doing = "writing outputs"
     avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
     metrics = {
-        "script": Path(__file__).name, "device": common.describe_device(device), "precision": precision,
+        "script": Path(__file__).name, "device": devices.describe_device(device), "precision": precision,
         "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
         "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
         "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
-        "mfu": common.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
+        "mfu": utilization.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
         "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory.as_json(),  # NEW (FSDP)
-        **common.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
+        **utilization.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
     metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
     checkpoints.write_json(metrics, out / "metrics.json")
     plot_losses(history, out / "loss")
     if device.type == "cuda":  # the steady state's peaks beside the first interval's
-        print(common.peak_memory_line(metrics))
+        print(utilization.peak_memory_line(metrics))
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
-    print(common.wall_clock_line(metrics["wall_clock_s"]))
+    print(timekeeping.wall_clock_line(metrics["wall_clock_s"]))
 
 
 if __name__ == "__main__":
-    sys.exit(common.run(main))
+    sys.exit(failures.run(main))

@@ -13,7 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import OutputError, busy
+from timekeeping import busy
+from failures import OutputError
 from data import UsageError, files
 
 LOCK_NAME = ".run.lock"  # in the output folder: held (flock) by the live run that writes there

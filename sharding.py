@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 import checkpoints
-import common
+import failures
+import timekeeping
+import utilization
 
 SHARDED_FOLDER = "model.dcp"  # beside model.pth
 
@@ -38,7 +40,7 @@ SHARDED_FOLDER = "model.dcp"  # beside model.pth
 def save_checkpoint(model, optimizer, checkpoint, path):
     """Every rank calls this. `checkpoint` holds the metadata and progress (the keys of checkpoints.CHECKPOINT_KEYS
     but the model and the optimizer); the weights and AdamW's state are added here."""
-    with common.busy("writing the sharded checkpoint"):  # the heartbeat says so; the wall clock counts it as output
+    with timekeeping.busy("writing the sharded checkpoint"):  # the heartbeat says so; the wall clock counts it as output
         _save_checkpoint(model, optimizer, checkpoint, path)
 
 
@@ -81,7 +83,7 @@ def _write_error(folder, err):
     os_error = next((cause for cause in causes if isinstance(cause, OSError)), None)
     reason = (f"{os_error.strerror or os_error} (errno {os_error.errno})" if os_error is not None
               else type(causes[0] if causes else err).__name__)
-    return common.OutputError(f"cannot write the sharded checkpoint {folder}: {reason}; the previous checkpoint "
+    return failures.OutputError(f"cannot write the sharded checkpoint {folder}: {reason}; the previous checkpoint "
                               "(model.pth and the folder it names) is kept")
 
 
@@ -101,7 +103,7 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
     checkpoint = checkpoints.load_checkpoint(args, args.batch_size * context * saved_world_size)
     folder = Path(path).parent / str(checkpoint.get("sharded_state"))
     if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
-        raise common.UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete "
+        raise failures.UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete "
                                 "(copy the model.dcp folder along with model.pth)")
     if saved_world_size != world_size:
         windows_done = checkpoint["batches_done"] * args.batch_size * saved_world_size
@@ -127,7 +129,7 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
 
 
 def _fresh_rng_state(seed):
-    """A random state of common.rng_state's form, as a rank seeded with `seed` starts with."""
+    """A random state of checkpoints.rng_state's form, as a rank seeded with `seed` starts with."""
     return {"torch": torch.Generator().manual_seed(seed).get_state(), "python": random.Random(seed).getstate(),
             "cuda": None, "mps": None}
 
@@ -203,10 +205,10 @@ def _gb(num_bytes):
 # ---------------------------------------------------------------------------------------------
 
 def hardware_flops_per_token(cfg, vocab_size, activation_checkpointing):
-    """common.flops_per_token plus, with activation checkpointing, the blocks' forward done again in backward:
+    """utilization.flops_per_token plus, with activation checkpointing, the blocks' forward done again in backward:
     forward is a third of a block's training FLOPs (2 of 6 per weight), so recomputed blocks cost 8/6 of their
     model FLOPs. The output head is not recomputed. MFU counts the model's FLOPs, HFU the hardware's."""
-    model_flops = common.flops_per_token(cfg, vocab_size)
+    model_flops = utilization.flops_per_token(cfg, vocab_size)
     if not activation_checkpointing:
         return model_flops
     d, layers, context = cfg["emb_dim"], cfg["n_layers"], cfg["context_length"]

@@ -57,9 +57,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common, data and bench, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules, data and bench, wherever the script is started from
 
-import common  # noqa: E402  (needs the path above; imports no torch)
+import cli  # noqa: E402  (needs the path above; imports no torch)
+import devices
+import failures
+import timekeeping
+import utilization
 from bench import report  # noqa: E402
 
 FAIL_HOOK_VARIABLE = "LADDER_FAIL_RUNG"
@@ -107,7 +111,7 @@ def parse_rungs(text):
 def build_parser():
     from bench.rungs import OPTIONS
 
-    parser = common.OneLineParser(prog="bench/ladder.py", description=__doc__, allow_abbrev=False,
+    parser = cli.OneLineParser(prog="bench/ladder.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help="the stages' tiny model and batch and fewer steps: every rung in a few minutes "
@@ -117,19 +121,19 @@ def build_parser():
                              "--check-scripts runs the results folder lacks), or 'missing' (the rungs the folder "
                              "holds no row for, then the --check-scripts runs it lacks: the same command again goes "
                              "on where the last one stopped) (default: all; 0-10 with --option)")
-    parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
+    parser.add_argument("--model", choices=tuple(cli.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
-    parser.add_argument("--batch-size", type=common.whole_number(1), metavar="N",
+    parser.add_argument("--batch-size", type=cli.whole_number(1), metavar="N",
                         help="sequences per step (and per process in rungs 11-12) for every rung, for GPUs with "
                              "less memory; the rows it changes say so (default: each stage's own)")
-    parser.add_argument("--steps", type=common.whole_number(1),
+    parser.add_argument("--steps", type=cli.whole_number(1),
                         help=f"measured steps per rung (default: {FULL_DEFAULTS['steps']}; "
                              f"{TINY_DEFAULTS['steps']} with --tiny)")
-    parser.add_argument("--warmup", type=common.whole_number(0),
+    parser.add_argument("--warmup", type=cli.whole_number(0),
                         help="untimed steps first, enough for torch.compile to finish (default: "
                              f"{FULL_DEFAULTS['warmup']}; {TINY_DEFAULTS['warmup']} with --tiny)")
-    parser.add_argument("--windows", type=common.whole_number(1),
+    parser.add_argument("--windows", type=cli.whole_number(1),
                         help="timing windows the measured steps are split into; tok/s is their median "
                              f"(default: {FULL_DEFAULTS['windows']})")
     parser.add_argument("--data", default="shakespeare", metavar="NAME_OR_PATH",
@@ -150,12 +154,12 @@ def build_parser():
                         help=f"a change to try on top of the composed rungs 0-10 before it goes into 01 "
                              f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets); the results "
                              "go to a folder of their own (-<option> appended)")
-    parser.add_argument("--time-limit", type=common.whole_number(1), metavar="SECONDS",
+    parser.add_argument("--time-limit", type=cli.whole_number(1), metavar="SECONDS",
                         help="start no rung (nor the --check-scripts runs) that would end more than SECONDS after "
                              "the part began, judged by the rungs of its kind this part has run, and stop one that "
                              "outlasts the judgement at the limit; the part then prints the command that measures "
                              "the rest (default: no limit)")
-    parser.add_argument("--rung-timeout", type=common.whole_number(1), metavar="SECONDS",
+    parser.add_argument("--rung-timeout", type=cli.whole_number(1), metavar="SECONDS",
                         help="stop a rung that runs longer than this (default: 1800; 900 with --tiny)")
     # Internal worker modes: ladder.py starts itself with these, one fresh process per rung.
     parser.add_argument("--run-rung", type=int, help=argparse.SUPPRESS)
@@ -172,13 +176,13 @@ def resolve_defaults(args):
         args.rungs = parse_rungs("0-10" if composed_only else "all")
     named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with such an option (missing_rungs)
     if composed_only and any(number >= 11 for number in named) and args.run_rung is None:
-        raise common.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
+        raise failures.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
                                 "as they are; of the options they take only grad-accum): add --rungs 0-10, or a "
                                 "subset of it")
     if not args.rungs and not args.check_scripts:
-        raise common.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
+        raise failures.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
     if args.option and args.check_scripts:
-        raise common.UsageError("--option changes the composed rungs only: --check-scripts would compare them with "
+        raise failures.UsageError("--option changes the composed rungs only: --check-scripts would compare them with "
                                 "scripts that lack it")
     args.option = list(dict.fromkeys(args.option))  # each once
     defaults = TINY_DEFAULTS if args.tiny else FULL_DEFAULTS
@@ -229,7 +233,7 @@ def describe_device_main(args):
     import torch
 
     # the ladder times CUDA GPUs and CPUs: auto never picks an Apple GPU here (nothing on MPS is timed yet)
-    device = common.pick_device("cpu" if args.device == "auto" and not torch.cuda.is_available() else args.device)
+    device = devices.pick_device("cpu" if args.device == "auto" and not torch.cuda.is_available() else args.device)
     cuda = device.type == "cuda"
     if cuda:
         name = torch.cuda.get_device_name(device)
@@ -241,18 +245,18 @@ def describe_device_main(args):
         "device_type": device.type,
         "name": name,
         "slug": device_slug,
-        "description": common.describe_device(device, matmul_precision=False),  # each rung sets its own
+        "description": devices.describe_device(device, matmul_precision=False),  # each rung sets its own
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,  # the CUDA the GPU runs with; none on a CPU
         "python": platform.python_version(),
-        "peak_flops": {precision: common.peak_flops(device, precision) for precision in common.PRECISIONS},
+        "peak_flops": {precision: utilization.peak_flops(device, precision) for precision in utilization.PRECISIONS},
         # the precision 01 and 02 train in here (their main() decides it the same way)
-        "stage01_precision": common.autocast_precision(device)[0],
+        "stage01_precision": devices.autocast_precision(device)[0],
     }
     print(json.dumps(info), flush=True)
-    return common.EXIT_OK
+    return failures.EXIT_OK
 
 
 def run_rung_main(args):
@@ -264,14 +268,14 @@ def run_rung_main(args):
 
     number = args.run_rung
     result = {"rung": number, "error": None}
-    heartbeat = common.Heartbeat()  # a line every ~10 s of silence (compilation is long and quiet)
+    heartbeat = timekeeping.Heartbeat()  # a line every ~10 s of silence (compilation is long and quiet)
     device = None
 
     def say(text):
         print(f"rung {number}: {text}", flush=True)
 
     try:
-        device = common.pick_device(args.device)
+        device = devices.pick_device(args.device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         heartbeat.doing = "composing the rung from the stage scripts"
@@ -284,7 +288,7 @@ def run_rung_main(args):
                       notes=rung.notes + [f"option {name}: {rungs.OPTIONS[name]}" for name in args.option])
         say(f"{rungs.CHANGES[number]} | {parameters:,} parameters | batch {rung.batch_size} x "
             f"{rung.cfg['context_length']} tokens | precision {rung.precision} | "
-            f"{common.describe_device(device)}" + "".join(f" | {note}" for note in rung.notes))
+            f"{devices.describe_device(device)}" + "".join(f" | {note}" for note in rung.notes))
 
         heartbeat.doing = "reading and tokenizing the corpus"
         text, tokenizer = load_text(args.data), get_tokenizer()
@@ -295,8 +299,8 @@ def run_rung_main(args):
                                fail_on_purpose=number in failing_rungs_for_testing())
         heartbeat.doing = "finishing"
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
-        flops = common.flops_per_token(rung.cfg, tokenizer.n_vocab)
-        result["mfu"] = common.mfu(timing["tokens_per_sec"], flops, common.peak_flops(device, rung.precision))
+        flops = utilization.flops_per_token(rung.cfg, tokenizer.n_vocab)
+        result["mfu"] = utilization.mfu(timing["tokens_per_sec"], flops, utilization.peak_flops(device, rung.precision))
         if not math.isfinite(timing["final_loss"]):
             result["error"] = f"training broke: the loss is {timing['final_loss']} at the last step"
             result["final_loss"] = None  # JSON has no NaN
@@ -307,13 +311,13 @@ def run_rung_main(args):
         result["error"] = short_error(exc)
     finally:
         if device is not None and device.type == "cuda":  # GiB: the timed steps' peaks and the warm-up's
-            memory = common.memory_metrics(device)
+            memory = utilization.memory_metrics(device)
             result.update({key: memory[key] for key in ("peak_allocated_gb", "peak_reserved_gb",
                                                         "first_interval_peak_allocated_gb",
                                                         "first_interval_peak_reserved_gb")})
-            say(common.peak_memory_line(memory))
+            say(utilization.peak_memory_line(memory))
         report.write_json(result, args.result)
-    return common.EXIT_OK if result["error"] is None else common.EXIT_FAILED
+    return failures.EXIT_OK if result["error"] is None else failures.EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +444,7 @@ def describe_device(args):
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         message = (done.stderr.strip().splitlines() or ["could not query the device"])[-1]
-        raise common.UsageError(message.removeprefix("error: "))
+        raise failures.UsageError(message.removeprefix("error: "))
     return json.loads(lines[-1])
 
 
@@ -594,7 +598,7 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
     median = statistics.median(windows)
     mfu = None
     if metrics.get("config"):
-        mfu = common.mfu(median / world_size, common.flops_per_token(metrics["config"], REAL_VOCAB_SIZE),
+        mfu = utilization.mfu(median / world_size, utilization.flops_per_token(metrics["config"], REAL_VOCAB_SIZE),
                          device_info["peak_flops"].get(precision))
     last = log[-1]
     final_loss = last.get("train_loss")
@@ -606,7 +610,7 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
         "peak_allocated_gb": metrics.get("peak_allocated_gb"), "peak_reserved_gb": metrics.get("peak_reserved_gb"),
         "first_interval_peak_reserved_gb": metrics.get("first_interval_peak_reserved_gb"),
         "bf16_logits_gb": (None if not metrics.get("config") else (metrics.get("settings") or {}).get("batch_size", 0)
-                           * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / common.GIB),
+                           * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / utilization.GIB),
         "final_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
         "steps": len(windows) * window, "warmup_steps": measured_ends[0] - window + 1,
         "final_loss_step": last.get("step"), "steps_per_epoch": steps_per_epoch,
@@ -631,7 +635,7 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
         return {"rung": number, "error": message}
     processes = device_info["gpu_count"] if device_info["device_type"] == "cuda" else 1
     run_dir = logs / f"rung-{number:02d}-run"
-    torchrun = [sys.executable, *common.SINGLE_NODE_TORCHRUN, f"--nproc_per_node={processes}",
+    torchrun = [sys.executable, *devices.SINGLE_NODE_TORCHRUN, f"--nproc_per_node={processes}",
                 "--log-dir", run_dir / "torchrun"]  # torchrun's own files: not in /tmp
     row = run_stage_script(script_name, torchrun, args, device_info, log_path, run_dir, timeout, limit, processes)
     row["rung"] = number
@@ -873,13 +877,13 @@ def run_ladder(args):
     if missing and not args.rungs and not args.check_scripts:
         print(f"--rungs missing: nothing left to measure: {out / 'ladder.json'} holds every rung"
               + (" and every --check-scripts run" if checks_asked else ""), flush=True)
-        return common.EXIT_OK
+        return failures.EXIT_OK
     roofline = report.find_roofline(out, args.roofline, device_info["name"], part["settings"])
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise common.UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
+        raise failures.UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
     stop_on_signals()
 
     print(f"Ladder: rungs {report.rung_ranges(args.rungs) or 'none'} on {device_info['description']} | torch "
@@ -984,8 +988,8 @@ def run_ladder(args):
         return 128 + stopped.args[0] if isinstance(stopped, Stopped) else 130
     if not args.rungs:  # --rungs none: the script checks are the part
         checks = part.get("script_checks", [])
-        return common.EXIT_OK if checks and not any(check["error"] for check in checks) else common.EXIT_FAILED
-    return common.EXIT_OK if measured else common.EXIT_FAILED
+        return failures.EXIT_OK if checks and not any(check["error"] for check in checks) else failures.EXIT_FAILED
+    return failures.EXIT_OK if measured else failures.EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -994,15 +998,15 @@ def main(argv=None):
     try:
         args = resolve_defaults(build_parser().parse_args(argv))
         args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for the table and --time-limit's advice
-        args.started_seconds_ago = common.process_age() if argv is None else 0.0  # a command: its interpreter too
+        args.started_seconds_ago = timekeeping.process_age() if argv is None else 0.0  # a command: its interpreter too
         if args.run_rung is not None:
             return run_rung_main(args)
         if args.describe_device:
             return describe_device_main(args)
         return run_ladder(args)
-    except common.UsageError as err:
+    except failures.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return common.EXIT_USAGE
+        return failures.EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -46,7 +46,7 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common and bench, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules and bench, wherever the script is started from
 
 import torch  # noqa: E402
 

@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402  (needs the path above; imports no torch)
+import cli  # noqa: E402  (needs the path above; imports no torch)
+import failures
+import timekeeping
 from bench.report import read_report  # noqa: E402
 from bench.stages import cell  # noqa: E402  (the stages' own table cells: n/a for a missing figure)
 from data import UsageError  # noqa: E402
@@ -155,20 +157,20 @@ def stages_section(stages, folder):
              "the logs). Each run with the stage's own defaults; Avg tok/sec leaves out the first log interval; "
              "memory in GiB at the end of the run; wall clock in seconds.", "",
              "| run | command | Avg tok/sec | MFU | reserved GiB | final val loss | whole command | "
-             + " | ".join(common.WALL_CLOCK_PHASES) + " |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in common.WALL_CLOCK_PHASES)
+             + " | ".join(timekeeping.WALL_CLOCK_PHASES) + " |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in timekeeping.WALL_CLOCK_PHASES)
              + " |"]
     for row in stages["runs"]:
         if row.get("error"):
             lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} |" + " |" * (
-                4 + len(common.WALL_CLOCK_PHASES)))
+                4 + len(timekeeping.WALL_CLOCK_PHASES)))
             continue
         split = row.get("wall_clock_s") or {}
         lines.append(f"| {row['run']} | `{row['command']}` | {cell(row.get('avg_tok_per_sec'), ',.0f')} | "
                      f"{'n/a' if row.get('mfu') is None else format(row['mfu'], '.1%')} | "
                      f"{cell(row.get('reserved_gb'), '.2f')} | {cell(row.get('final_val_loss'), '.3f')} | "
                      f"{cell(row.get('command_seconds'), '.1f')} | "
-                     + " | ".join(cell(split.get(phase), ".1f") for phase in common.WALL_CLOCK_PHASES) + " |")
+                     + " | ".join(cell(split.get(phase), ".1f") for phase in timekeeping.WALL_CLOCK_PHASES) + " |")
     speeds = {name: row.get("avg_tok_per_sec") for name, row in runs.items() if not row.get("error")}
     against = [f"{later} over {earlier}: {speeds[later] / speeds[earlier]:.3f}× ({target})"
                for later, earlier, target in (("01-warm", "00", "target: at least 12×"),
@@ -254,7 +256,7 @@ def differences(text, expected):
 
 
 def main(argv=None):
-    parser = common.OneLineParser(prog="bench/readme_tables.py", description=__doc__, allow_abbrev=False,
+    parser = cli.OneLineParser(prog="bench/readme_tables.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="a results folder: bench/results/<gpu> (ladder.json, stages/stages.json)")
     parser.add_argument("--check", action="store_true", help="change nothing: exit 1 where the README differs")
@@ -266,19 +268,19 @@ def main(argv=None):
         expected = filled(text, ladder, stages, args.folder)
     except (UsageError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return common.EXIT_USAGE
+        return failures.EXIT_USAGE
     if args.check:
         found = differences(text, expected)
         for line in found:
             print(f"{args.readme}: {line}", file=sys.stderr)
         if found:
             print(f"to write the folder's figures: python bench/readme_tables.py {args.folder}", file=sys.stderr)
-        return common.EXIT_FAILED if found else common.EXIT_OK
+        return failures.EXIT_FAILED if found else failures.EXIT_OK
     Path(args.readme).write_text(expected, encoding="utf-8")
     print(f"Wrote the measurements of {args.folder} into {args.readme}: steps "
           f"{', '.join(str(row['rung']) for row in ladder['rungs'] if row['rung'] in STEPS)} of the table"
           + (f", and {len(stages['runs'])} stage run(s) into Results" if stages else ""))
-    return common.EXIT_OK
+    return failures.EXIT_OK
 
 
 if __name__ == "__main__":

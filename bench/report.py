@@ -24,9 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common and data, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules and data, wherever the script is started from
 
-import common  # noqa: E402  (needs the path above; imports no torch)
+import cli  # noqa: E402  (needs the path above; imports no torch)
+import failures
+import utilization
 from data import UsageError, files  # noqa: E402
 
 # The original tutorial's figures, one A100 (rung 11: four), PyTorch 2.6: its README's "Avg tok/sec"
@@ -189,7 +191,7 @@ def merge(existing, part):
 
 def _peak_table_entry(name):
     spelled = re.sub(r"[-_]+", " ", name)  # 'h100-pcie' names the same GPU as 'H100 PCIe'
-    patterns = (entry[0] for entry in common.PEAK_TFLOPS)  # each entry: the name's pattern, then its figures
+    patterns = (entry[0] for entry in utilization.PEAK_TFLOPS)  # each entry: the name's pattern, then its figures
     return next((pattern for pattern in patterns if re.search(pattern, spelled, re.IGNORECASE)), None)
 
 
@@ -531,7 +533,7 @@ def write_report(report, out, roofline=None, chart=True):
 
 
 def main(argv=None):
-    parser = common.OneLineParser(prog="bench/report.py", description=__doc__, allow_abbrev=False,
+    parser = cli.OneLineParser(prog="bench/report.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", metavar="RESULTS_FOLDER", help="a folder that bench/ladder.py wrote (--out)")
     parser.add_argument("--roofline", metavar="PATH",
@@ -547,9 +549,9 @@ def main(argv=None):
         write_report(report, args.results, roofline)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return common.EXIT_USAGE
+        return failures.EXIT_USAGE
     print(f"Wrote {args.results}/ladder.md, ladder.json and ladder.png")
-    return common.EXIT_OK
+    return failures.EXIT_OK
 
 
 if __name__ == "__main__":

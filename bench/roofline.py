@@ -10,7 +10,7 @@ kernels) it counts what one training step does, forward, loss, backward and Adam
 and written, and sorts that work into six classes: matmuls; attention; norms and activations; other elementwise
 work (dropout, residual adds, casts, embedding lookups, gradient sums); the loss; the optimizer. Each class gets
 a floor time on the GPU, max(FLOPs / peak FLOP/s, bytes / memory bandwidth); the step's floor is their sum, and
-tokens per step over that floor is the rung's ceiling in tok/s. The peaks are common.PEAK_TFLOPS's (the dense
+tokens per step over that floor is the rung's ceiling in tok/s. The peaks are utilization.PEAK_TFLOPS's (the dense
 figure of the precision each op runs in) and its memory bandwidth column. Written to --out: roofline.md (the
 tables), roofline.png (the chart) and roofline.json.
 
@@ -29,11 +29,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common and bench.rungs, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules and bench.rungs, wherever the script is started from
 
 import checkpoints  # noqa: E402  (needs the path above)
-import common  # noqa: E402
+import cli  # noqa: E402
+import failures
+import utilization
 from data import files  # noqa: E402
+from bench.scaling import accumulated  # noqa: E402
 from bench.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402
                               build_roofline, find_gpu)
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +88,7 @@ def render_markdown(table):
         f"meta device with PyTorch {table['torch']} (a model of the GPU, not a measurement).",
         "",
         f"GPU: dense peak TFLOP/s {peaks}; memory bandwidth {gpu['bandwidth_gb_per_s']:,g} GB/s "
-        "(common.PEAK_TFLOPS, NVIDIA's data sheets). Ridge point, the FLOPs per byte above which work is "
+        "(utilization.PEAK_TFLOPS, NVIDIA's data sheets). Ridge point, the FLOPs per byte above which work is "
         f"compute-bound: {ridges}.",
         "",
         "Each class of work gets a floor time, max(FLOPs / peak, bytes / bandwidth); a step's floor is their sum; "
@@ -211,7 +214,7 @@ def write_outputs(table, out):
         try:
             write(out / name)
         except OSError as err:
-            raise common.OutputError(f"cannot write {out / name}: {err.strerror or err}") from None
+            raise failures.OutputError(f"cannot write {out / name}: {err.strerror or err}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,17 +226,17 @@ def slug(name):
 
 
 def build_parser():
-    parser = common.OneLineParser(prog="bench/roofline.py", description=__doc__,
+    parser = cli.OneLineParser(prog="bench/roofline.py", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--gpu", required=True, metavar="NAME",
-                        help="a GPU of common.PEAK_TFLOPS, e.g. A100 (the SXM 80 GB part), A100 PCIe, H100, H200")
+                        help="a GPU of utilization.PEAK_TFLOPS, e.g. A100 (the SXM 80 GB part), A100 PCIe, H100, H200")
     parser.add_argument("--out", help="folder for roofline.md, roofline.png and roofline.json "
                                       "(default: runs/roofline/<gpu>)")
-    parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small",
+    parser.add_argument("--model", choices=tuple(cli.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes (default: gpt2-small)")
-    parser.add_argument("--batch-size", type=common.whole_number(1),
+    parser.add_argument("--batch-size", type=cli.whole_number(1),
                         help="sequences per step for every rung (default: each rung's own, 8 and 32 for rung 10)")
-    parser.add_argument("--grad-accum-steps", type=common.whole_number(1), default=1, metavar="N",
+    parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), default=1, metavar="N",
                         help="each step as N micro-batches of the batch: AdamW once per N (default: 1)")
     return parser
 
@@ -243,7 +246,9 @@ def main():
     gpu = find_gpu(args.gpu)  # an unknown GPU fails here, before anything is built
     out = checkpoints.claim_out_dir(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
     started = time.perf_counter()
-    table = build_roofline(gpu, model=args.model, batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps)
+    table = build_roofline(gpu, model=args.model, batch_size=args.batch_size,
+                           step=lambda row: accumulated(row, args.grad_accum_steps))
+    table["grad_accum_steps"] = args.grad_accum_steps
     write_outputs(table, out)
     for row in table["rungs"]:
         print(f"rung {row['rung']:2d} {row['change']:<44} floor {_ms(row['floor_seconds']):>8} ms, ceiling "
@@ -252,4 +257,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(common.run(main))
+    sys.exit(failures.run(main))

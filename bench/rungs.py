@@ -29,7 +29,9 @@ from types import ModuleType
 import torch
 import torch.nn as nn
 
-import common
+import cli
+import devices
+import utilization
 from bench import chunked_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,11 +250,11 @@ def training_windows(stage, text, tokenizer, context):
     return stage.SlidingWindowDataset(text[:int(0.9 * len(text))], tokenizer, context, stride=context)
 
 
-class _CommonWithoutAutocast:
-    """Stage 01's `common` for rungs 0-4: the same module, except that step 5's autocast is not taken yet."""
+class _DevicesWithoutAutocast:
+    """Stage 01's `devices` for rungs 0-4: the same module, except that step 5's autocast is not taken yet."""
 
     def __getattr__(self, name):
-        return getattr(common, name)
+        return getattr(devices, name)
 
     @staticmethod
     def autocast_dtype(device):
@@ -263,7 +265,7 @@ def model_config(number, tiny, stage00, stage01, model="gpt2-small"):
     """The model config dict of rung `number` at size `model`, picked as the stages pick it (--tiny wins):
     step 9 (the padded vocabulary) comes with 01's."""
     stage = stage01 if number >= 9 else stage00
-    return dict(stage.TINY_CONFIG) if tiny else {**stage.GPT_CONFIG_124M, **common.MODEL_SIZES[model]}
+    return dict(stage.TINY_CONFIG) if tiny else {**stage.GPT_CONFIG_124M, **cli.MODEL_SIZES[model]}
 
 
 def training_settings(number, tiny, stage00, stage01, batch_size=None):
@@ -286,7 +288,7 @@ def batch_size_note(batch_size, stage_batch_size):
 def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None, options=()):
     """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01.
 
-    `model` is one of common.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
+    `model` is one of cli.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
     replaces every rung's batch (--batch-size of bench/ladder.py); `options` are the ladder's --option names, of
     which compose acts on chunked-loss (apply_options switches on the others)."""
     if number not in SINGLE_PROCESS_RUNGS:
@@ -309,9 +311,9 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
         notes.append(override)
 
     # Steps 2 and 5, decided as 01's main() decides them.
-    tensor_cores = common.has_tf32(device)
+    tensor_cores = devices.has_tf32(device)
     torch.set_float32_matmul_precision("high" if number >= 2 and tensor_cores else "highest")
-    autocast_precision, reason = common.autocast_precision(device)
+    autocast_precision, reason = devices.autocast_precision(device)
     autocasts = number >= 5 and autocast_precision != "fp32"
     precision = autocast_precision if autocasts else "tf32" if number >= 2 and tensor_cores else "fp32"
     if number == 2 and not tensor_cores:
@@ -341,7 +343,7 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"],
-                                  fused=common.has_fused(device) if number >= 3 else None)  # step 3
+                                  fused=devices.has_fused(device) if number >= 3 else None)  # step 3
 
     # Steps 4, 5 and 8 live in 01's loss path, calc_loss_batch: pinned batches and non_blocking copies (on CUDA),
     # then autocast around forward and loss, compiled. This rung's copy of 01 leaves out the
@@ -353,7 +355,7 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
         else:
             notes.append("no effect here: chunked-loss replaces 01's forward_and_loss, and this rung's loss is 00's")
     if number < 5:
-        stage01.common = _CommonWithoutAutocast()
+        stage01.devices = _DevicesWithoutAutocast()
     if number < 8:
         stage01.training_loss = stage01.evaluation_loss = stage01.forward_and_loss
     scaler = torch.amp.GradScaler(device.type, enabled=autocasts and precision == "fp16")
@@ -408,8 +410,8 @@ def stage_model(number, stage00, stage01):
 def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-small", batch_size=None, seed=123):
     """Rung `number` (0 to 10) as compose() builds it at full size, for a GPU described instead of present.
 
-    `has_tf32` and `autocast_precision` ("bf16", "fp16" or "fp32") are what common.has_tf32 and
-    common.autocast_precision would answer on that GPU, so steps 2 and 5 are decided as 01's main() decides them
+    `has_tf32` and `autocast_precision` ("bf16", "fp16" or "fp32") are what devices.has_tf32 and
+    devices.autocast_precision would answer on that GPU, so steps 2 and 5 are decided as 01's main() decides them
     there; step 3 is fused AdamW, which PyTorch has for CUDA. `device` is where the model is built (the meta device:
     shapes and dtypes, no memory). Two steps are left to the caller, because they act on a GPU's tensors only:
     `loss` runs the stage's lines eagerly and without autocast, and `autocast_dtype` and `compiled` say what
@@ -521,7 +523,7 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
     if rung.device.type == "cuda":
         torch.cuda.synchronize()
     warmup_seconds = time.perf_counter() - started
-    common.end_of_warm_up(rung.device)  # the memory peaks of the timed steps count from here
+    utilization.end_of_warm_up(rung.device)  # the memory peaks of the timed steps count from here
     say(f"warm-up: {warmup} steps in {warmup_seconds:.1f} s")
 
     timer = WindowTimer(rung.device)

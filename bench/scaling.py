@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402  (needs the path above)
+import cli  # noqa: E402  (needs the path above)
+import failures
+import utilization
 
 # Each GPU's link to the others, GB/s in one direction (the all-reduce sends and receives at once).
 LINKS_GB_PER_S = {
@@ -89,17 +91,17 @@ def link_speed(text):
 def main(argv=None):
     from bench.step_model import find_gpu, model_rung
 
-    parser = common.OneLineParser(prog="bench/scaling.py", description=__doc__, allow_abbrev=False,
+    parser = cli.OneLineParser(prog="bench/scaling.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpu", required=True, metavar="NAME", help="a GPU of common.PEAK_TFLOPS, e.g. A100, H100")
-    parser.add_argument("--gpus", type=common.whole_number(1), default=1, help="GPUs under DDP (default: 1)")
+    parser.add_argument("--gpu", required=True, metavar="NAME", help="a GPU of utilization.PEAK_TFLOPS, e.g. A100, H100")
+    parser.add_argument("--gpus", type=cli.whole_number(1), default=1, help="GPUs under DDP (default: 1)")
     parser.add_argument("--link", type=link_speed, default=LINKS_GB_PER_S["nvlink-h100"],
                         help=f"each GPU's link: {', '.join(LINKS_GB_PER_S)} or GB/s (default: nvlink-h100)")
-    parser.add_argument("--batch-size", type=common.whole_number(1), default=32,
+    parser.add_argument("--batch-size", type=cli.whole_number(1), default=32,
                         help="sequences per micro-batch and GPU (default: 32, 01's)")
     parser.add_argument("--grad-accum-steps", default="1,4", metavar="N[,N...]",
                         help="micro-batches per optimizer step, one row each (default: 1,4)")
-    parser.add_argument("--model", choices=tuple(common.MODEL_SIZES), default="gpt2-small")
+    parser.add_argument("--model", choices=tuple(cli.MODEL_SIZES), default="gpt2-small")
     args = parser.parse_args(argv)
     try:
         steps_list = [int(part) for part in args.grad_accum_steps.split(",")]
@@ -123,4 +125,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run(lambda: main()))
+    sys.exit(failures.run(lambda: main()))

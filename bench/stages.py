@@ -39,10 +39,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common and bench.ladder, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules and bench.ladder, wherever the script is started from
 
 import checkpoints  # noqa: E402  (needs the path above)
-import common  # noqa: E402
+import cli  # noqa: E402
+import devices
+import failures
+import timekeeping
 from bench.ladder import (MISSING, Stopped, describe_device, drop_checkpoints, failure_from_output,  # noqa: E402
                           git_revision, nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
 
@@ -55,11 +58,11 @@ RUNS = {
     "02": ((*TORCHRUN_ONE_PROCESS, "02_opt_multi_gpu_ddp.py"), (), "02"),
 }
 TINY_STEPS = 12  # --tiny: every run stops there (with an evaluation every 4 steps)
-PHASES = common.WALL_CLOCK_PHASES
+PHASES = timekeeping.WALL_CLOCK_PHASES
 
 
 def build_parser():
-    parser = common.OneLineParser(prog="bench/stages.py", description=__doc__, allow_abbrev=False,
+    parser = cli.OneLineParser(prog="bench/stages.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help=f"the stages' tiny model, {TINY_STEPS} steps each: a smoke test on a CPU")
@@ -71,7 +74,7 @@ def build_parser():
                         help="passed to every stage (default: auto)")
     parser.add_argument("--out", help="results folder (default: bench/results/<gpu or cpu name>/stages/, "
                                       "-tiny appended to the device's folder under --tiny)")
-    parser.add_argument("--run-timeout", type=common.whole_number(1), default=1200, metavar="SECONDS",
+    parser.add_argument("--run-timeout", type=cli.whole_number(1), default=1200, metavar="SECONDS",
                         help="stop a run that takes longer than this (default: 1200)")
     return parser
 
@@ -82,10 +85,10 @@ def chosen_runs(text):
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in RUNS]
     if unknown or not names:
-        raise common.UsageError(f"--runs {text}: unknown {', '.join(unknown) or 'empty list'}; the runs are "
+        raise failures.UsageError(f"--runs {text}: unknown {', '.join(unknown) or 'empty list'}; the runs are "
                                 f"{', '.join(RUNS)}, or {MISSING}")
     if "01-warm" in names and "01-cold" not in names:
-        raise common.UsageError("--runs: 01-warm reuses the compile cache that 01-cold fills: name both")
+        raise failures.UsageError("--runs: 01-warm reuses the compile cache that 01-cold fills: name both")
     return [name for name in RUNS if name in names]  # in their own order: cold before warm
 
 
@@ -96,7 +99,7 @@ def command_of(name, args, run_dir):
         flags = ("--tiny", "--max-steps", str(TINY_STEPS), "--eval-freq", "4")
     flags = (*flags, *(("--device", args.device) if args.device != "auto" else ()))
     shown = ("python", *typed, *flags) if typed[0] != "torchrun" else (*typed, *flags)
-    launcher = ([sys.executable, *common.SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
+    launcher = ([sys.executable, *devices.SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
                 if typed[0] == "torchrun" else [sys.executable])
     return shlex.join(shown), [*launcher, ROOT / typed[-1], *flags, "--out", run_dir]
 
@@ -128,7 +131,7 @@ def measure(name, args, out):
                                                   "world_size", "precision")})
     row.update({"batch_size": (metrics.get("settings") or {}).get("batch_size"),
                 "final_val_loss": log[-1].get("val_loss"), "wall_clock_s": metrics.get("wall_clock_s")})
-    print(f"[{name}] done in {seconds:.0f} s: {common.wall_clock_line(row['wall_clock_s'])}", flush=True)
+    print(f"[{name}] done in {seconds:.0f} s: {timekeeping.wall_clock_line(row['wall_clock_s'])}", flush=True)
     return row
 
 
@@ -185,11 +188,11 @@ def earlier_parts(path, report):
     try:
         earlier = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise common.UsageError(f"{path} cannot be read ({err}): move it away, or choose another --out") from None
+        raise failures.UsageError(f"{path} cannot be read ({err}): move it away, or choose another --out") from None
     differences = [f"{key} {earlier.get(key)!r} there, {report[key]!r} here"
                    for key in ("device_name", "torch", "cuda", "tiny") if earlier.get(key) != report[key]]
     if differences or "parts" not in earlier:
-        raise common.UsageError(f"{path} holds runs measured otherwise ({'; '.join(differences) or 'older format'}): "
+        raise failures.UsageError(f"{path} holds runs measured otherwise ({'; '.join(differences) or 'older format'}): "
                                 "choose another --out, or move its files away")
     return {**report, "parts": earlier["parts"], "runs": earlier["runs"]}
 
@@ -203,25 +206,25 @@ def main(argv=None):
             "-tiny" if args.tiny else "")) / "stages")
         out.mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
-    except common.UsageError as err:
+    except failures.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return common.EXIT_USAGE
+        return failures.EXIT_USAGE
     except OSError as err:
         print(f"error: cannot write into {args.out}: {err.strerror or err}", file=sys.stderr)
-        return common.EXIT_USAGE
+        return failures.EXIT_USAGE
     report = {"device": device_info["description"], "device_name": device_info["name"], "torch": device_info["torch"],
               "cuda": device_info["cuda"], "driver": nvidia_driver(), "python": device_info["python"],
               "tiny": args.tiny, "parts": [], "runs": []}
     try:
         report = earlier_parts(out / "stages.json", report)
-    except common.UsageError as err:
+    except failures.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return common.EXIT_USAGE
+        return failures.EXIT_USAGE
     if names == MISSING:
         names = missing_runs(report)
         if not names:
             print(f"--runs missing: nothing left to run: {out / 'stages.json'} holds every run")
-            return common.EXIT_OK
+            return failures.EXIT_OK
     report["parts"].append({"command": shlex.join(["python", "bench/stages.py",
                                                    *(argv if argv is not None else sys.argv[1:])]),
                             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
@@ -240,7 +243,7 @@ def main(argv=None):
         shutil.rmtree(out / "compile-cache", ignore_errors=True)
     print(render_markdown(report))
     print(f"Wrote {out}/stages.md, stages.json and logs/")
-    return common.EXIT_FAILED if any(row["error"] for row in report["runs"]) else common.EXIT_OK
+    return failures.EXIT_FAILED if any(row["error"] for row in report["runs"]) else failures.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -77,9 +77,11 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # common and bench.rungs, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules and bench.rungs, wherever the script is started from
 
-import common  # noqa: E402
+import devices  # noqa: E402
+import failures
+import utilization
 from inspection import WORK_CLASSES, WORK_LABELS  # noqa: E402
 
 # The six classes of work, in the order of the tables and the chart: the same as a profile's (bench/step_time.py).
@@ -144,7 +146,7 @@ class Gpu:
 
     @property
     def autocast_precision(self):
-        """Step 5 on this GPU, as common.autocast_precision decides it: bf16 where tensor cores have it (compute
+        """Step 5 on this GPU, as devices.autocast_precision decides it: bf16 where tensor cores have it (compute
         capability 8.0+), fp16 with a gradient scaler where they have only that (7.x), else float32."""
         return "bf16" if self.tflops["bf16"] else "fp16" if self.tflops["fp16"] else "fp32"
 
@@ -157,13 +159,13 @@ class Gpu:
 
 
 def find_gpu(name):
-    row = common.gpu_peaks(name)
+    row = utilization.gpu_peaks(name)
     if row is None:
-        plain = [pattern.replace(r"\b", "") for pattern, _, _ in common.PEAK_TFLOPS]
+        plain = [pattern.replace(r"\b", "") for pattern, _, _ in utilization.PEAK_TFLOPS]
         known = ", ".join(dict.fromkeys(gpu for gpu in plain if not re.search(r"[.*()|]", gpu)))
-        raise common.UsageError(f"--gpu {name}: not in the peak table (common.PEAK_TFLOPS); known: {known}")
+        raise failures.UsageError(f"--gpu {name}: not in the peak table (utilization.PEAK_TFLOPS); known: {known}")
     tflops, bandwidth = row
-    return Gpu(name=name, tflops=dict(zip(common.PRECISIONS, tflops)), bandwidth_gb_per_s=bandwidth)
+    return Gpu(name=name, tflops=dict(zip(utilization.PRECISIONS, tflops)), bandwidth_gb_per_s=bandwidth)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -720,18 +722,15 @@ def tutorial_reference(gpu, model, batch_size):
             if number in REFERENCE and batch_size in (None, 8 if number < 10 else 32)}
 
 
-def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, grad_accum_steps=1):
+def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, step=lambda row: row):
     """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before;
-    with `grad_accum_steps`, each step is that many micro-batches of the batch (bench/scaling.py)."""
-    from bench.scaling import accumulated
-
+    `step` turns a rung's row into the step the table models (bench/roofline.py: accumulation, bench/scaling.py)."""
     torch = _torch()
     started = time.perf_counter()
     reference = tutorial_reference(gpu, model, batch_size)
     rows, counted_steps = [], {}
     for number in rung_numbers:
-        row = accumulated(model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps),
-                          grad_accum_steps)
+        row = step(model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps))
         if number in reference:
             row["tutorial_tok_per_sec"] = reference[number]
             row["tutorial_over_ceiling"] = reference[number] / row["ceiling_tok_per_sec"]
@@ -742,8 +741,8 @@ def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELL
         "gpu": gpu.name,
         "gpu_peaks": {"tflops": gpu.tflops, "bandwidth_gb_per_s": gpu.bandwidth_gb_per_s,
                       "ridge_flops_per_byte": {precision: gpu.ridge(precision)
-                                               for precision in common.PRECISIONS if gpu.tflops[precision]}},
-        "model": model, "batch_size": batch_size, "grad_accum_steps": grad_accum_steps, "torch": torch.__version__,
+                                               for precision in utilization.PRECISIONS if gpu.tflops[precision]}},
+        "model": model, "batch_size": batch_size, "torch": torch.__version__,
         "seconds_to_build": time.perf_counter() - started, "rungs": rows,
     }
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # inspection and bench.report, wherever the script is started from
 
-import common  # noqa: E402  (needs the path above)
+import failures  # noqa: E402  (needs the path above)
 from bench.report import same_gpu, shipped_rooflines  # noqa: E402
 from data import UsageError  # noqa: E402
 from inspection import (GPU_BUSY_CATEGORIES, GPU_TIME_CLASSES, WORK_CLASSES, WORK_LABELS,  # noqa: E402
@@ -154,8 +154,8 @@ def main(argv=None):
         print(render(per_step, top_kernels(trace, per_step["steps"]), gpu_name, floors, roofline_line))
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        return common.EXIT_USAGE
-    return common.EXIT_OK
+        return failures.EXIT_USAGE
+    return failures.EXIT_OK
 
 
 if __name__ == "__main__":

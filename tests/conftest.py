@@ -124,16 +124,17 @@ def processes_mentioning(text):
 
 def run_with_fault(tmp_path, small_text, fault, *flags, script="00_orig.py", env=None):
     """Run a stage's main in a subprocess, --tiny on `small_text` into tmp_path/run, after the Python code `fault`
-    has replaced some of its functions (the stage module is `stage`; torch and common are imported)."""
+    has replaced some of its functions (the stage module is `stage`; torch and the plumbing modules cli,
+    devices, failures, timekeeping and utilization are imported)."""
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(ROOT / 'tests')!r})
 from conftest import load_stage
-import common
+import cli, devices, failures, timekeeping, utilization
 stage = load_stage({script!r})
 {fault}
 sys.argv = [{script!r}, "--tiny", "--data", {str(small_text)!r}, "--out", {str(tmp_path / 'run')!r}, *{flags!r}]
-sys.exit(common.run(stage.main))
+sys.exit(failures.run(stage.main))
 """
     return run_script("-c", code, env=env)
 
@@ -147,28 +148,32 @@ def logged_losses(out):
 def check_wall_clock(stdout, out, compiled):
     """The run's wall clock: split into its phases in metrics.json, printed once as the log's last line, with
     compilation time exactly where torch.compile ran."""
-    import common
+    import devices
+    import failures
+    import timekeeping
 
     split = json.loads((Path(out) / "metrics.json").read_text())["wall_clock_s"]
-    assert list(split) == [*common.WALL_CLOCK_PHASES, "total"], split
-    assert abs(sum(split[phase] for phase in common.WALL_CLOCK_PHASES) - split["total"]) < 0.05, split
+    assert list(split) == [*timekeeping.WALL_CLOCK_PHASES, "total"], split
+    assert abs(sum(split[phase] for phase in timekeeping.WALL_CLOCK_PHASES) - split["total"]) < 0.05, split
     for phase in ("start-up", "training", "evaluation", "sampling", "checkpoints and outputs"):
         assert split[phase] > 0, (phase, split)
     assert (split["compilation"] > 0) == compiled, split
     lines = [line for line in stdout.splitlines() if line.startswith("Wall clock: ")]
-    assert lines == [common.wall_clock_line(split)] and stdout.rstrip().endswith(lines[0]), stdout[-2000:]
+    assert lines == [timekeeping.wall_clock_line(split)] and stdout.rstrip().endswith(lines[0]), stdout[-2000:]
 
 
 @pytest.fixture
 def bf16_cpu(monkeypatch):
     """Step 5's bf16 path on every CPU for an in-process test (the test hook): a CPU without bfloat16 arithmetic
     trains in float32, where a test about bf16 logits would check nothing. Processes the test starts inherit it."""
-    import common
+    import devices
+    import failures
+    import timekeeping
 
-    monkeypatch.setenv(common.FORCE_PRECISION_VARIABLE, "bf16")
-    common.autocast_precision.cache_clear()
+    monkeypatch.setenv(devices.FORCE_PRECISION_VARIABLE, "bf16")
+    devices.autocast_precision.cache_clear()
     yield
-    common.autocast_precision.cache_clear()
+    devices.autocast_precision.cache_clear()
 
 
 @pytest.fixture(scope="session")

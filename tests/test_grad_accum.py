@@ -15,20 +15,22 @@ import sys
 import pytest
 import torch
 
-import common
+import devices
+import failures
 from conftest import ROOT, run_script
 from test_stage02_ddp import clean_env, torchrun
 from test_stage03_fsdp import weights as sharded_weights
 
-FP32 = {common.FORCE_PRECISION_VARIABLE: "fp32"}
+FP32 = {devices.FORCE_PRECISION_VARIABLE: "fp32"}
 STEPS = 3  # AdamW's first step is sign(gradient) x lr; by the third the updates depend on the gradients' values
 NO_DROPOUT = """import sys
 sys.path[:0] = [{root!r}, {tests!r}]
 from conftest import load_stage
-import common
+import devices
+import failures
 stage = load_stage({script!r})
 stage.TINY_CONFIG["drop_rate"] = 0.0
-sys.exit(common.run(stage.main))
+sys.exit(failures.run(stage.main))
 """
 
 

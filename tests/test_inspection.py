@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import common
 import inspection
+import utilization
 from conftest import ROOT, load_stage, run_script
 
 REGIONS = ("forward with loss", "backward", "optimizer step")
@@ -80,8 +80,8 @@ def test_inspection_flags_that_cannot_work_stop_before_training(case, small_text
 def test_the_flops_formula_matches_the_counted_flops_of_the_full_size_model(script):
     stage = load_stage(script)
     cfg = stage.GPT_CONFIG_124M
-    counted = common.counted_flops_per_token(lambda: stage.GPTModel(cfg), cfg["context_length"])
-    formula = common.flops_per_token(cfg, 50257)
+    counted = utilization.counted_flops_per_token(lambda: stage.GPTModel(cfg), cfg["context_length"])
+    formula = utilization.flops_per_token(cfg, 50257)
     # measured: 0.8544384 G both for 00; 01 counts 6 x 768 x 47 more for its padded vocabulary columns
     padded_columns = 6 * cfg["emb_dim"] * (cfg["vocab_size"] - 50257)
     assert counted == pytest.approx(formula + padded_columns, rel=1e-9)

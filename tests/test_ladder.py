@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import common
+import devices
+import failures
 from bench import ladder, report, rungs
 from conftest import ROOT, process_alive, run_script, wait_for
 
@@ -44,12 +45,12 @@ def composed():
     """Rungs 0 to 10 with the tiny config, composed once for all the composition tests, as on a CPU that computes
     in bf16 (the test hook), so that step 5's bf16 path is checked on every CPU."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(common.FORCE_PRECISION_VARIABLE, "bf16")
-        common.autocast_precision.cache_clear()
+        patch.setenv(devices.FORCE_PRECISION_VARIABLE, "bf16")
+        devices.autocast_precision.cache_clear()
         try:
             return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
         finally:
-            common.autocast_precision.cache_clear()
+            devices.autocast_precision.cache_clear()
 
 
 def test_rung_0_is_stage_00(composed):
@@ -123,13 +124,13 @@ def test_rung_5_is_bf16_autocast_around_stage_00s_layers(composed, bf16_cpu):  #
 
 
 def test_rung_5_on_a_cpu_without_bf16_decides_as_01_does(monkeypatch):
-    monkeypatch.setattr(common, "cpu_bf16_unit", lambda: None)
-    monkeypatch.delenv(common.FORCE_PRECISION_VARIABLE, raising=False)
-    common.autocast_precision.cache_clear()
+    monkeypatch.setattr(devices, "cpu_bf16_unit", lambda: None)
+    monkeypatch.delenv(devices.FORCE_PRECISION_VARIABLE, raising=False)
+    devices.autocast_precision.cache_clear()
     try:
         rung = rungs.compose(5, CPU, tiny=True)
     finally:
-        common.autocast_precision.cache_clear()
+        devices.autocast_precision.cache_clear()
     assert rung.precision == "fp32"
     assert "no effect here: this CPU has no bfloat16 arithmetic" in " ".join(rung.notes)
     assert logits_dtype_in_a_training_step(rung) == torch.float32
@@ -760,7 +761,7 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
     assert ladder.main(["--rungs", "none", *flags]) == 0
     assert checked == [[0, 1, 2, 3, 4, 5]] * 2  # the folder's rows, for the checks to compare with
     assert "--time-limit: the rest" not in capsys.readouterr().out
-    with pytest.raises(common.UsageError, match="--rungs none measures nothing"):
+    with pytest.raises(failures.UsageError, match="--rungs none measures nothing"):
         ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "none"]))
 
 
@@ -792,7 +793,7 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert [row["rung"] for row in json.loads((out / "ladder.json").read_text())["rungs"]] == [0, 1]
 
     fake_clock.now, timeouts[:] = 0.0, []
-    assert ladder.main(["--rungs", "2-4", *flags]) == common.EXIT_FAILED  # this part measured nothing
+    assert ladder.main(["--rungs", "2-4", *flags]) == failures.EXIT_FAILED  # this part measured nothing
     assert timeouts == [(2, 400, "--time-limit")]  # then rung 3 would end at 13:20: not started
     rows = {row["rung"]: row for row in json.loads((out / "ladder.json").read_text())["rungs"]}
     assert sorted(rows) == [0, 1, 2] and rows[2]["error"] == "timed out after 400 s (--time-limit)"
@@ -830,7 +831,7 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     continuation = printed.split("measure it with:\n  python bench/ladder.py ")[1].split()
     assert continuation[:3] == ["--rungs", "none", "--check-scripts"]
     fake_clock.now, checks_run[:] = 0.0, []  # the printed command runs the check the folder lacks, not 00 again
-    assert ladder.main(continuation) == common.EXIT_FAILED and checks_run == ["01_opt_single_gpu.py"]
+    assert ladder.main(continuation) == failures.EXIT_FAILED and checks_run == ["01_opt_single_gpu.py"]
     checks = json.loads((out / "ladder.json").read_text())["script_checks"]
     assert [check["script"] for check in checks] == ["00_orig.py", "01_opt_single_gpu.py"]  # 01's failed, kept
 

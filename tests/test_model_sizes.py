@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-import common
+import cli
+import utilization
 from conftest import load_stage, run_script
 
 # The untied head's counts at vocabulary 50,257 (the book's counts with a tied head: 124M, 355M, 774M, 1558M)
@@ -19,25 +20,25 @@ def stage00():
 @pytest.mark.parametrize("name", PARAMETERS)
 def test_each_size_has_the_books_parameters_and_the_formulas_flops(stage00, name):
     args = type("Args", (), {"tiny": False, "model": name, "resume": None})()
-    cfg = common.model_config(args, stage00.GPT_CONFIG_124M, stage00.TINY_CONFIG)
+    cfg = cli.model_config(args, stage00.GPT_CONFIG_124M, stage00.TINY_CONFIG)
     with torch.device("meta"):  # no memory: the XL model's 1.6 B parameters cost nothing here
         model = stage00.GPTModel(cfg)
     assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
-    formula = common.flops_per_token(cfg, cfg["vocab_size"])
-    counted = common.counted_flops_per_token(lambda: stage00.GPTModel(cfg), cfg["context_length"])
+    formula = utilization.flops_per_token(cfg, cfg["vocab_size"])
+    counted = utilization.counted_flops_per_token(lambda: stage00.GPTModel(cfg), cfg["context_length"])
     assert counted == pytest.approx(formula, rel=1e-3), name
 
 
 @pytest.mark.parametrize("name, states_gb", [("gpt2-small", "2.4"), ("gpt2-medium", "6.1"),
                                               ("gpt2-large", "12.5"), ("gpt2-xl", "24.4")])
 def test_the_headers_memory_estimate_gives_16_bytes_per_parameter(stage00, name, states_gb):
-    cfg = {**stage00.GPT_CONFIG_124M, **common.MODEL_SIZES[name]}
-    line = common.memory_line(PARAMETERS[name], cfg, 32, "bf16", flash_attention=True)
+    cfg = {**stage00.GPT_CONFIG_124M, **cli.MODEL_SIZES[name]}
+    line = utilization.memory_line(PARAMETERS[name], cfg, 32, "bf16", flash_attention=True)
     assert f"AdamW state {states_gb} GiB (16 bytes per parameter)" in line, line  # GiB, as the allocator's figures
     # activations: about 34 x width bytes per token and layer in 16-bit (80 GiB for XL at 32 x 1,024), plus logits
     activations = float(line.split("activations ")[1].split(" GiB")[0])
-    blocks = 34 * cfg["emb_dim"] * cfg["n_layers"] * 32 * 1024 / common.GIB
-    assert blocks < activations < blocks + 32 * 1024 * cfg["vocab_size"] * 4 / common.GIB + 0.1, line
+    blocks = 34 * cfg["emb_dim"] * cfg["n_layers"] * 32 * 1024 / utilization.GIB
+    assert blocks < activations < blocks + 32 * 1024 * cfg["vocab_size"] * 4 / utilization.GIB + 0.1, line
 
 
 def test_an_unknown_size_is_refused_in_one_line():

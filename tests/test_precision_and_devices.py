@@ -10,22 +10,25 @@ import torch
 import torch._dynamo  # imported before any test fakes torch.cuda functions (its import walks them)
 
 import checkpoints
-import common
+import devices
+import failures
 import inspection
+import timekeeping
+import utilization
 from conftest import logged_losses, run_script, run_with_fault
 from gpu import stage_runs
 
-FP16 = {common.FORCE_PRECISION_VARIABLE: "fp16"}
+FP16 = {devices.FORCE_PRECISION_VARIABLE: "fp16"}
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
 
 
 @pytest.fixture(autouse=True)
 def fresh_precision_choice(monkeypatch):
     """autocast_precision is cached per device; every test starts from a clean cache and no forced precision."""
-    monkeypatch.delenv(common.FORCE_PRECISION_VARIABLE, raising=False)
-    common.autocast_precision.cache_clear()
+    monkeypatch.delenv(devices.FORCE_PRECISION_VARIABLE, raising=False)
+    devices.autocast_precision.cache_clear()
     yield
-    common.autocast_precision.cache_clear()
+    devices.autocast_precision.cache_clear()
 
 
 def fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3"):
@@ -47,10 +50,10 @@ def fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3"):
 ])
 def test_gpus_get_the_reduced_precision_their_tensor_cores_have(monkeypatch, capability, precision, dtype, words):
     device = fake_gpu(monkeypatch, capability)
-    chosen, reason = common.autocast_precision(device)
+    chosen, reason = devices.autocast_precision(device)
     assert chosen == precision and words in reason
-    assert common.autocast_dtype(device) is dtype
-    assert common.has_tf32(device) == (capability[0] >= 8)
+    assert devices.autocast_dtype(device) is dtype
+    assert devices.has_tf32(device) == (capability[0] >= 8)
 
 
 @pytest.mark.parametrize("capability, matmul_precision, words", [
@@ -61,10 +64,10 @@ def test_gpus_get_the_reduced_precision_their_tensor_cores_have(monkeypatch, cap
 def test_the_headers_device_says_whether_float32_matmuls_use_tf32(monkeypatch, capability, matmul_precision, words):
     device = fake_gpu(monkeypatch, capability)
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: matmul_precision)
-    described = common.describe_device(device)
+    described = devices.describe_device(device)
     assert described.startswith(f"NVIDIA H100 80GB HBM3 (compute capability {capability[0]}.{capability[1]}, CUDA ")
     assert described.endswith(f", {words})")
-    assert common.describe_device(device, matmul_precision=False).endswith(f"CUDA {torch.version.cuda})")  # the ladder's
+    assert devices.describe_device(device, matmul_precision=False).endswith(f"CUDA {torch.version.cuda})")  # the ladder's
 
 
 @pytest.mark.parametrize("machine, onednn, amx, avx512_bf16, precision, words", [
@@ -81,32 +84,32 @@ def test_a_cpu_autocasts_to_bf16_only_where_it_computes_in_bf16(monkeypatch, mac
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    chosen, reason = common.autocast_precision(torch.device("cpu"))
+    chosen, reason = devices.autocast_precision(torch.device("cpu"))
     assert chosen == precision and words in reason
-    assert common.autocast_dtype(torch.device("cpu")) is (torch.bfloat16 if precision == "bf16" else None)
+    assert devices.autocast_dtype(torch.device("cpu")) is (torch.bfloat16 if precision == "bf16" else None)
 
 
 def test_oneDNN_limited_to_avx2_makes_this_cpu_train_in_float32():
     """The same decision from oneDNN's own answer, unmocked: ONEDNN_MAX_CPU_ISA=AVX2 hides any bf16 unit."""
-    probe = run_script("-c", "import torch, common; print(common.autocast_precision(torch.device('cpu'))[0])",
+    probe = run_script("-c", "import torch, devices; print(devices.autocast_precision(torch.device('cpu'))[0])",
                        env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert probe.returncode == 0 and probe.stdout.split() == ["fp32"], probe.stderr[-2000:]
 
 
 def test_mps_depends_on_macos(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: True)
-    assert common.autocast_precision(torch.device("mps")) == ("bf16", "MPS has bfloat16 from macOS 14 on")
-    common.autocast_precision.cache_clear()
+    assert devices.autocast_precision(torch.device("mps")) == ("bf16", "MPS has bfloat16 from macOS 14 on")
+    devices.autocast_precision.cache_clear()
     monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: major < 14)
-    precision, reason = common.autocast_precision(torch.device("mps"))
+    precision, reason = devices.autocast_precision(torch.device("mps"))
     assert precision == "fp32" and "before macOS 14" in reason
-    assert common.autocast_dtype(torch.device("mps")) is None
+    assert devices.autocast_dtype(torch.device("mps")) is None
 
 
 def test_the_test_hook_is_checked(monkeypatch):
-    monkeypatch.setenv(common.FORCE_PRECISION_VARIABLE, "fp8")
-    with pytest.raises(common.UsageError, match="use bf16, fp16 or fp32"):
-        common.autocast_precision(torch.device("cpu"))
+    monkeypatch.setenv(devices.FORCE_PRECISION_VARIABLE, "fp8")
+    with pytest.raises(failures.UsageError, match="use bf16, fp16 or fp32"):
+        devices.autocast_precision(torch.device("cpu"))
 
 
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 arithmetic
@@ -116,7 +119,7 @@ NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 a
     ("00_orig.py", {}, "precision: fp32 (the book trains in plain float32)"),
     ("01_opt_single_gpu.py", NO_BF16,
      "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower)"),
-    ("01_opt_single_gpu.py", {common.FORCE_PRECISION_VARIABLE: "fp32"},
+    ("01_opt_single_gpu.py", {devices.FORCE_PRECISION_VARIABLE: "fp32"},
      "precision: fp32 (forced by the test hook TEST_FORCE_PRECISION)"),
     ("02_opt_multi_gpu_ddp.py", NO_BF16,
      "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower) | world size: 1"),
@@ -220,19 +223,19 @@ def fake_mac(monkeypatch, macos_14=True):
 
 def test_auto_picks_mps_when_there_is_no_cuda(monkeypatch, capsys):
     fake_mac(monkeypatch)
-    assert common.pick_device("auto") == torch.device("mps")
-    assert common.pick_device("mps") == torch.device("mps")
+    assert devices.pick_device("auto") == torch.device("mps")
+    assert devices.pick_device("mps") == torch.device("mps")
     assert capsys.readouterr().out == ""
 
 
 def test_stage_02_trains_on_the_cpu_of_a_mac_and_refuses_mps(monkeypatch, capsys):
     """torch.distributed has no backend for MPS tensors: auto takes the CPU (one line), --device mps exits 2."""
     fake_mac(monkeypatch)
-    assert common.pick_device("auto", distributed=True) == torch.device("cpu")
+    assert devices.pick_device("auto", distributed=True) == torch.device("cpu")
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and "no backend for MPS" in printed[0]
-    with pytest.raises(common.UsageError, match="DDP cannot run there"):
-        common.pick_device("mps", distributed=True)
+    with pytest.raises(failures.UsageError, match="DDP cannot run there"):
+        devices.pick_device("mps", distributed=True)
 
 
 @pytest.mark.parametrize("fused, macos_14, expected", [
@@ -241,9 +244,9 @@ def test_stage_02_trains_on_the_cpu_of_a_mac_and_refuses_mps(monkeypatch, capsys
 ])
 def test_each_step_mps_cannot_take_falls_back_with_one_line(monkeypatch, capsys, fused, macos_14, expected):
     fake_mac(monkeypatch, macos_14)
-    monkeypatch.setattr(common, "has_fused", lambda device: fused)
+    monkeypatch.setattr(devices, "has_fused", lambda device: fused)
     with torch._dynamo.config.patch(suppress_errors=False):  # restored afterwards
-        common.apply_fallbacks(torch.device("mps"))
+        devices.apply_fallbacks(torch.device("mps"))
         assert torch._dynamo.config.suppress_errors, "a graph that fails to compile on MPS runs eagerly"
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split("(")[1].split(")")[0] for line in lines] == expected
@@ -252,17 +255,17 @@ def test_each_step_mps_cannot_take_falls_back_with_one_line(monkeypatch, capsys,
 
 def test_no_fallbacks_on_cuda_or_the_cpu(monkeypatch, capsys):
     with torch._dynamo.config.patch(suppress_errors=False):
-        common.apply_fallbacks(torch.device("cpu"))
-        common.apply_fallbacks(fake_gpu(monkeypatch))
+        devices.apply_fallbacks(torch.device("cpu"))
+        devices.apply_fallbacks(fake_gpu(monkeypatch))
         assert capsys.readouterr().out == "" and not torch._dynamo.config.suppress_errors
-    assert common.has_fused(torch.device("cpu")) and common.has_fused(torch.device("cuda"))
+    assert devices.has_fused(torch.device("cpu")) and devices.has_fused(torch.device("cuda"))
 
 
 def test_the_clock_waits_for_the_apple_gpu(monkeypatch):
     """MPS has no timing events here: the clock must synchronize before reading the host clock, at both ends."""
     calls = []
     monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("sync"))
-    clock = common.TrainClock(torch.device("mps"))
+    clock = timekeeping.TrainClock(torch.device("mps"))
     clock.start()
     assert calls == ["sync"]
     clock.stop()
@@ -292,7 +295,7 @@ def test_the_cuda_clock_lets_the_gpu_run_on_between_off_clock_steps(monkeypatch)
             return end.at - self.at
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    clock = common.TrainClock(torch.device("cuda"))
+    clock = timekeeping.TrainClock(torch.device("cuda"))
     for _ in range(3):  # 100 ms each
         clock.start()
         clock.stop(wait=False)
@@ -340,15 +343,15 @@ def test_the_checkpoint_keeps_the_apple_gpus_random_state(monkeypatch):
 ])
 def test_the_peak_table_finds_each_gpu_by_its_cuda_name(monkeypatch, name, precision, tflops):
     device = fake_gpu(monkeypatch, name=name)
-    assert common.peak_flops(device, precision) == pytest.approx(tflops * 1e12)
-    assert common.peak_flops(device, precision, num_gpus=4) == pytest.approx(4 * tflops * 1e12)
-    assert f"dense {precision} peak: {tflops:g} TFLOP/s" in common.mfu_line(device, precision)
+    assert utilization.peak_flops(device, precision) == pytest.approx(tflops * 1e12)
+    assert utilization.peak_flops(device, precision, num_gpus=4) == pytest.approx(4 * tflops * 1e12)
+    assert f"dense {precision} peak: {tflops:g} TFLOP/s" in utilization.mfu_line(device, precision)
 
 
 def test_gpus_without_bf16_have_no_bf16_peak(monkeypatch):
     device = fake_gpu(monkeypatch, capability=(7, 0), name="Tesla V100-SXM2-16GB")
-    assert common.peak_flops(device, "bf16") is None and common.peak_flops(device, "tf32") is None
-    assert common.mfu_line(device, common.autocast_precision(device)[0]).startswith(
+    assert utilization.peak_flops(device, "bf16") is None and utilization.peak_flops(device, "tf32") is None
+    assert utilization.mfu_line(device, devices.autocast_precision(device)[0]).startswith(
         "MFU against the Tesla V100-SXM2-16GB's dense fp16 peak: 125 TFLOP/s")
 
 
@@ -360,16 +363,16 @@ def test_gpus_without_bf16_have_no_bf16_peak(monkeypatch):
 def test_mfu_is_n_a_with_the_reason_where_the_peak_is_unknown(monkeypatch, device_kind, reason):
     device = (fake_gpu(monkeypatch, name="NVIDIA RTX PRO 9000") if device_kind == "unknown"
               else torch.device(device_kind))
-    assert common.peak_flops(device, "bf16") is None
-    assert common.mfu(1e6, 1e9, common.peak_flops(device, "bf16")) is None
-    line = common.mfu_line(device, "bf16")
+    assert utilization.peak_flops(device, "bf16") is None
+    assert utilization.mfu(1e6, 1e9, utilization.peak_flops(device, "bf16")) is None
+    line = utilization.mfu_line(device, "bf16")
     assert line.startswith("MFU: n/a: ") and reason in line
 
 
 def test_a_mig_slice_gets_no_peak_and_says_why(monkeypatch):
     device = fake_gpu(monkeypatch, name="NVIDIA H100 80GB HBM3 MIG 3g.40gb")
-    assert common.peak_flops(device, "bf16") is None  # the whole H100's 989 TFLOP/s would be a wrong MFU
-    line = common.mfu_line(device, "bf16")
+    assert utilization.peak_flops(device, "bf16") is None  # the whole H100's 989 TFLOP/s would be a wrong MFU
+    line = utilization.mfu_line(device, "bf16")
     assert line.startswith("MFU: n/a: ") and "MIG slice" in line, line
 
 
@@ -386,11 +389,11 @@ def test_a_mig_slice_gets_no_peak_and_says_why(monkeypatch):
 ])
 def test_a_gpu_the_build_has_no_kernels_for_is_refused_with_one_line(capability, arch_list, runs):
     def check():
-        common.check_cuda_build(capability, arch_list, "2.11.0+cu130", "Tesla V100-SXM2-16GB")
+        devices.check_cuda_build(capability, arch_list, "2.11.0+cu130", "Tesla V100-SXM2-16GB")
     if runs:
         check()
         return
-    with pytest.raises(common.UsageError) as err:
+    with pytest.raises(failures.UsageError) as err:
         check()
     message = str(err.value)
     assert "\n" not in message and f"sm_{capability[0]}{capability[1]}" in message and "pip install" in message
@@ -400,8 +403,8 @@ def test_pick_device_checks_the_build_for_the_gpu(monkeypatch):
     fake_gpu(monkeypatch, capability=(7, 0), name="Tesla V100-SXM2-16GB")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
-    with pytest.raises(common.UsageError, match="no kernels for the Tesla V100"):
-        common.pick_device("auto")
+    with pytest.raises(failures.UsageError, match="no kernels for the Tesla V100"):
+        devices.pick_device("auto")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,8 +440,8 @@ def test_the_stages_train_with_cudnns_attention_off(script, small_text, tmp_path
 def test_the_tests_and_every_process_they_start_see_no_gpu():
     """tests/conftest.py hides CUDA, so that --device auto takes the CPU in every run the tests start."""
     assert not torch.cuda.is_available()
-    result = run_script("-c", "import os, torch, common; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
-                              "torch.cuda.is_available(), common.pick_device('auto'))", timeout=120)
+    result = run_script("-c", "import os, torch, devices; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+                              "torch.cuda.is_available(), devices.pick_device('auto'))", timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["''", "False", "cpu"]
 
@@ -448,8 +451,11 @@ def test_the_tests_and_every_process_they_start_see_no_gpu():
 # compiling anything.
 TORCH_LOG_PROBE = """
 import os, torch, torch.distributed as dist
-import common
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+import devices
+import failures
+import timekeeping
+import utilization
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(devices.free_port()))
 dist.init_process_group("gloo", rank=0, world_size=1)
 layers = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])  # 1 MB each: one bucket each
 ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(layers, backend="eager"), bucket_cap_mb=1)

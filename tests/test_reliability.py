@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpoints
-import common
+import failures
 from conftest import ROOT, logged_losses, run_script, run_with_fault, wait_for
 
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
@@ -92,7 +92,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
             f.write(b"half a checkpoint")
         raise OSError("disk full")
 
-    with pytest.raises(common.OutputError, match="cannot write .*model.pth: disk full"):  # exit code 1, one line
+    with pytest.raises(failures.OutputError, match="cannot write .*model.pth: disk full"):  # exit code 1, one line
         checkpoints.save_atomically(broken_save, target)
     assert torch.load(target, weights_only=True) == {"version": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]  # the partial file is gone
@@ -110,7 +110,7 @@ def test_a_process_killed_while_saving_leaves_the_old_checkpoint(tmp_path):
 import sys, time
 sys.path.insert(0, {str(ROOT)!r})
 import checkpoints
-import common
+import failures
 def slow_save(tmp):
     with open(tmp, "wb") as f:
         f.write(b"x" * 1000)

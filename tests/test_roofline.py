@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, aten_dtypes, load_stage, run_script
 
-import common
+import utilization
 from bench import rungs, step_model
 from bench.report import REFERENCE
 
@@ -153,13 +153,13 @@ def test_the_whole_table_is_built_in_under_a_minute(a100):
 
 
 def test_rung_0_counts_the_flops_formula_exactly(a100):
-    """The stages' MFU formula (common.flops_per_token at the real vocabulary, 0.854 GFLOP per token for GPT-2
+    """The stages' MFU formula (utilization.flops_per_token at the real vocabulary, 0.854 GFLOP per token for GPT-2
     small) is 6 x matmul weights + 12 x layers x width x context: the matmuls of one forward and backward,
     attention scores included. Rung 0 counts every such multiplication op by op, so its tensor-core FLOPs per
     token must be the formula's, and they must sit in the right classes."""
     rung0 = a100[0]["rungs"][0]
     cfg = load_stage("00_orig.py").GPT_CONFIG_124M
-    formula = common.flops_per_token(cfg, 50257)
+    formula = utilization.flops_per_token(cfg, 50257)
     assert formula == pytest.approx(0.854e9, rel=1e-3)
     assert rung0["tensor_core_flops"] / rung0["tokens_per_step"] == pytest.approx(formula, rel=1e-3)
     d, layers, context = cfg["emb_dim"], cfg["n_layers"], cfg["context_length"]

@@ -135,7 +135,8 @@ def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
     try:
         checkout = base / "repo"
         checkout.mkdir()
-        for name in ("00_orig.py", "common.py", "checkpoints.py", "inspection.py"):
+        for name in ("00_orig.py", "checkpoints.py", "cli.py", "devices.py", "failures.py", "inspection.py",
+                     "timekeeping.py", "utilization.py"):
             shutil.copy(ROOT / name, checkout / name)
         shutil.copytree(ROOT / "data", checkout / "data", ignore=shutil.ignore_patterns("cache", "__pycache__"))
         home, out = base / "home", base / "out"
@@ -175,9 +176,9 @@ def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
 def test_the_progress_line_says_when_and_what_torch_compile_compiles():
     import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their heartbeat starts)
 
-    import common
+    import timekeeping
 
-    heartbeat = common.Heartbeat(every_s=3600)  # no line of its own during the test
+    heartbeat = timekeeping.Heartbeat(every_s=3600)  # no line of its own during the test
     seen = []
 
     def backend(graph_module, example_inputs):  # runs while torch.compile compiles: what would the line say?
@@ -196,9 +197,9 @@ def test_the_progress_line_says_when_and_what_torch_compile_compiles():
 def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_interrupted():
     import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their heartbeat starts)
 
-    import common
+    import timekeeping
 
-    heartbeat = common.Heartbeat(every_s=3600)
+    heartbeat = timekeeping.Heartbeat(every_s=3600)
 
     def slow_backend(graph_module, example_inputs):  # a compilation that takes 0.6 s
         time.sleep(0.6)
@@ -209,7 +210,7 @@ def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_
     torch.compile(lambda x: torch.tan(x) - 1, backend=slow_backend)(torch.ones(3))
     heartbeat.doing = "evaluating"
     time.sleep(0.1)
-    with common.busy("writing model.pth"):
+    with timekeeping.busy("writing model.pth"):
         time.sleep(0.1)
     assert heartbeat.doing == "evaluating"  # back to what it was doing
     heartbeat.doing = "generating a sample"
@@ -217,4 +218,4 @@ def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_
     assert 0.6 <= split["compilation"] < 1.2, split
     assert 0.2 <= split["training"] < 0.6, split  # without the compilation it started
     assert 0.1 <= split["evaluation"] < 0.6 and 0.1 <= split["checkpoints and outputs"] < 0.6, split
-    assert abs(split["total"] - common.process_age()) < 0.1, split  # the whole life of the process, start-up too
+    assert abs(split["total"] - timekeeping.process_age()) < 0.1, split  # the whole life of the process, start-up too

@@ -235,7 +235,6 @@ STOP_WORKER = textwrap.dedent("""
 
     sys.path.insert(0, {root!r})
     import checkpoints
-    import common
 
     if __name__ == "__main__":
         path = sys.argv[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
+import devices
 from conftest import check_wall_clock, load_stage, run_script
 
 REAL_VOCAB = 50257
@@ -95,7 +95,7 @@ def test_training_steps_give_the_same_losses_as_stage00(stage00, stage01, monkey
 
     01's own loss path (calc_loss_batch), in float32 and eager: bf16 (step 5) and compile (step 8) are rounding
     and kernel fusion, tested elsewhere."""
-    monkeypatch.setattr(stage01.common, "autocast_dtype", lambda device: None)
+    monkeypatch.setattr(stage01.devices, "autocast_dtype", lambda device: None)
     model_00, model_01 = twin_models(stage00, stage01, vocab_01=REAL_VOCAB)
     opt_00 = torch.optim.AdamW(model_00.parameters(), lr=5e-4, weight_decay=0.1)
     opt_01 = torch.optim.AdamW(model_01.parameters(), lr=5e-4, weight_decay=0.1, fused=True)
@@ -138,7 +138,7 @@ def test_stage01_tiny_run_end_to_end(tmp_path, small_text, compile_flag):
     result = run_script("01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", tmp_path,
                         "--max-steps", "12", "--eval-freq", "4", *flags, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    cpu_precision = common.autocast_precision(torch.device("cpu"))[0]  # bf16 where this CPU computes in it
+    cpu_precision = devices.autocast_precision(torch.device("cpu"))[0]  # bf16 where this CPU computes in it
     assert f"precision: {cpu_precision} (this CPU " in result.stdout.splitlines()[0]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["script"] == "01_opt_single_gpu.py" and metrics["steps"] == 12
@@ -159,7 +159,7 @@ def test_bf16_learns_as_well_as_float32(tmp_path, small_text):
         out = tmp_path / precision
         result = run_script("01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", out, "--epochs", "3",
                             "--max-steps", "40", "--eval-freq", "39", "--eval-iter", "5", "--no-compile",
-                            env={common.FORCE_PRECISION_VARIABLE: precision})
+                            env={devices.FORCE_PRECISION_VARIABLE: precision})
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"precision: {precision} (forced by the test hook" in result.stdout
         log = json.loads((out / "metrics.json").read_text())["log"]

@@ -306,7 +306,7 @@ def test_two_nodes_of_one_process(small_text, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def test_more_processes_than_gpus_is_a_usage_error(stage02, monkeypatch):
-    import common
+    import failures
     import torch.distributed as dist
 
     for key, value in dict(LOCAL_WORLD_SIZE="4", RANK="0", LOCAL_RANK="0", WORLD_SIZE="4").items():
@@ -322,7 +322,7 @@ def test_more_processes_than_gpus_is_a_usage_error(stage02, monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", no_group)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert not dist.is_initialized()
-    with pytest.raises(common.UsageError) as err:
+    with pytest.raises(failures.UsageError) as err:
         stage02.setup_distributed("cuda")
     message = str(err.value)
     assert "--nproc_per_node=2" in message and "4" in message, message

@@ -25,8 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-import common
+import cli
+import failures
 import sharding
+import utilization
 from conftest import ROOT, check_wall_clock, load_stage
 from test_speed_habits import compiled_frames, largest_allocation
 from test_stage02_ddp import clean_env, free_port, torchrun
@@ -294,7 +296,7 @@ def test_a_checkpoint_without_its_shards_exits_2_with_one_line(runs):
 def test_a_checkpoint_of_stage02_is_refused(runs):
     import checkpoints
 
-    with pytest.raises(common.UsageError, match="written by 02_opt_multi_gpu_ddp.py, not " + STAGE):
+    with pytest.raises(failures.UsageError, match="written by 02_opt_multi_gpu_ddp.py, not " + STAGE):
         checkpoints.open_checkpoint(runs.root / "stage02" / "model.pth", STAGE)  # at the start, before any slow work
 
 
@@ -393,14 +395,14 @@ def test_hardware_flops_count_the_recomputed_forward(stage03):
         return model
 
     context = cfg["context_length"]
-    counted_extra = (common.counted_flops_per_token(recomputing_model, context)
-                     - common.counted_flops_per_token(lambda: stage03.GPTModel(cfg), context))
+    counted_extra = (utilization.counted_flops_per_token(recomputing_model, context)
+                     - utilization.counted_flops_per_token(lambda: stage03.GPTModel(cfg), context))
     formula_extra = (sharding.hardware_flops_per_token(cfg, stage03.REAL_VOCAB_SIZE, True)
                      - sharding.hardware_flops_per_token(cfg, stage03.REAL_VOCAB_SIZE, False))
     assert counted_extra == pytest.approx(formula_extra, rel=1e-9)
     # at XL the blocks are nearly all of the model's FLOPs: HFU is about 8/6 of MFU (the head is not recomputed)
-    cfg = {**stage03.GPT_CONFIG_124M, **common.MODEL_SIZES["gpt2-xl"]}
-    hardware, model = sharding.hardware_flops_per_token(cfg, 50257, True), common.flops_per_token(cfg, 50257)
+    cfg = {**stage03.GPT_CONFIG_124M, **cli.MODEL_SIZES["gpt2-xl"]}
+    hardware, model = sharding.hardware_flops_per_token(cfg, 50257, True), utilization.flops_per_token(cfg, 50257)
     assert hardware / model == pytest.approx(8 / 6, rel=0.02)
 
 
@@ -465,10 +467,12 @@ def test_the_compiled_loss_keeps_no_float32_copy_of_the_logits(stage03):
 
 
 def test_out_of_memory_names_the_levers():
-    import common
+    import cli
+    import failures
+    import utilization
 
-    message = str(common.out_of_memory(torch.device("cpu"), 32, 1024, script=STAGE))
+    message = str(failures.out_of_memory(torch.device("cpu"), 32, 1024, script=STAGE))
     assert "--batch-size (16)" in message and "--activation-checkpointing" in message and "more GPUs" in message
     assert "\n" not in message
-    message = str(common.out_of_memory(torch.device("cpu"), 32, 1024, script="02_opt_multi_gpu_ddp.py"))
+    message = str(failures.out_of_memory(torch.device("cpu"), 32, 1024, script="02_opt_multi_gpu_ddp.py"))
     assert "03_opt_multi_gpu_fsdp.py" in message  # the stages before 03 point to it

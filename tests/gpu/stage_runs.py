@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import common
+import devices
 from bench.ladder import parent_death_signal, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN_ONE_PROCESS = [sys.executable, *common.SINGLE_NODE_TORCHRUN, "--nproc_per_node=1"]
+TORCHRUN_ONE_PROCESS = [sys.executable, *devices.SINGLE_NODE_TORCHRUN, "--nproc_per_node=1"]
 
 
 @dataclass

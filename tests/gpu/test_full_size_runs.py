@@ -15,7 +15,9 @@ import math
 import pytest
 import torch
 
-import common
+import devices
+import timekeeping
+import utilization
 import conftest as suite  # tests/conftest.py
 from gpu import stage_runs
 from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
@@ -82,10 +84,10 @@ def check_full_size_run(run, label, report):
     assert all(entry["step_tok_per_sec"] for entry in entries), "a log line without Step tok/sec" + run.describe()
     # not "truthy": the first interval of 01, 02 and 03 holds the compilation and prints "MFU: 0.0%"
     assert all(entry["mfu"] is not None for entry in entries), (
-        "log lines without MFU: the header's 'MFU' line says why (is this GPU in common.PEAK_TFLOPS?)" + run.describe())
+        "log lines without MFU: the header's 'MFU' line says why (is this GPU in utilization.PEAK_TFLOPS?)" + run.describe())
     assert "reserved" in memory, "no 'Reserved memory: ... GiB' line after the epoch" + run.describe()
     assert SAMPLE_PROMPT in run.stdout, "no sample after the epoch" + run.describe()
-    report(f"{label}: {common.wall_clock_line(metrics['wall_clock_s'])}; {run.seconds:.1f} s for the whole command")
+    report(f"{label}: {timekeeping.wall_clock_line(metrics['wall_clock_s'])}; {run.seconds:.1f} s for the whole command")
     suite.check_wall_clock(run.stdout, run.out, compiled=not label.startswith("00"))
     return metrics
 
@@ -142,10 +144,10 @@ def test_03s_separately_compiled_loss_costs_a_logits_gradient_of_its_own(run_02,
     assert run_02.returncode == 0 and run_03.returncode == 0, run_02.describe() + run_03.describe()
     peaks = {name: run.metrics()["peak_allocated_gb"] for name, run in (("02", run_02), ("03", run_03))}
     metrics = run_03.metrics()
-    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / common.GIB
+    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / utilization.GIB
     report(f"steady-state peak allocated at batch {BATCH}: 02 {shown(peaks['02'], '.2f')} GiB, 03 "
            f"{shown(peaks['03'], '.2f')} GiB; bf16 logits {logits:.2f} GiB, weights in bf16 "
-           f"{metrics['parameters'] * 2 / common.GIB:.2f} GiB")
+           f"{metrics['parameters'] * 2 / utilization.GIB:.2f} GiB")
     assert None not in peaks.values(), "a run without a steady state: more steps than one interval are needed"
 
 
@@ -251,7 +253,7 @@ def test_03_at_world_size_1_learns_like_02(run_02, run_03, report):  # budget: n
 def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
     # budget: ~35 s: --tiny, compiled for float16 on CUDA (~20 s), 60 steps
     run = run_stage("01_opt_single_gpu.py", "--tiny", "--device", "cuda", "--max-steps", 60, "--eval-freq", 20,
-                    out=tmp_path, env={common.FORCE_PRECISION_VARIABLE: "fp16"}, timeout=240, keep_checkpoint=True)
+                    out=tmp_path, env={devices.FORCE_PRECISION_VARIABLE: "fp16"}, timeout=240, keep_checkpoint=True)
     entries = log_entries(run.stdout)
     checkpoint = (torch.load(tmp_path / "model.pth", map_location="cpu", weights_only=True)
                   if (tmp_path / "model.pth").is_file() else {})

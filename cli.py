@@ -1,0 +1,246 @@
+"""The command line the stages share: flags, defaults, --resume's settings, and the header's batch.
+
+A stage builds its parser here, adds the flags of its own lesson, and resolves them (with a checkpoint's settings
+for --resume); the cheap checks come first, before the corpus is read and the model built.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import failures
+from data import UsageError
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2 instead of argparse's usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(failures.EXIT_USAGE)
+
+
+def whole_number(minimum):
+    """An argparse type: an int no smaller than `minimum`."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+_positive_int, _non_negative_int = whole_number(1), whole_number(0)
+
+
+# The book's four GPT-2 sizes (--model): width, layers and heads; the rest of the config is the stage's own.
+MODEL_SIZES = {
+    "gpt2-small": {"emb_dim": 768, "n_layers": 12, "n_heads": 12},     # 124M in the book (163M, untied head)
+    "gpt2-medium": {"emb_dim": 1024, "n_layers": 24, "n_heads": 16},   # 355M (406M)
+    "gpt2-large": {"emb_dim": 1280, "n_layers": 36, "n_heads": 20},    # 774M (838M)
+    "gpt2-xl": {"emb_dim": 1600, "n_layers": 48, "n_heads": 25},       # 1558M (1638M)
+}
+
+
+def model_config(args, config, tiny_config):
+    """The model config of this run: --tiny's, or the stage's config at the size --model names. A checkpoint to
+    resume must hold the same config: checked here, before the corpus is read and the model built."""
+    cfg = dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
+    if args.resume:
+        import checkpoints
+
+        checkpoints.check_config(args.checkpoint, args.resume, cfg)
+    return cfg
+
+
+# Flags that a resumed run takes from its checkpoint unless they are given again: (flag, key in the settings).
+RESUMED_FLAGS = (("epochs", "num_epochs"), ("max_steps", "max_steps"), ("eval_freq", "eval_freq"),
+                 ("eval_iter", "eval_iter"), ("save_every", "save_every"), ("data", "data"),
+                 ("batch_size", "batch_size"), ("seed", "seed"), ("tiny", "tiny"), ("model", "model"),
+                 ("grad_accum_steps", "grad_accum_steps"))  # the last: stages 01 to 03 only
+# What a flag left unset means when there is no checkpoint to take it from (the rest come from the stage's dicts).
+PLAIN_DEFAULTS = {"save_every": 0, "data": "shakespeare", "seed": 123, "tiny": False, "model": "gpt2-small",
+                  "grad_accum_steps": 1}
+# The help of 01 to 03's --grad-accum-steps (step 10: the batch a step needs, in micro-batches that fit)
+GRAD_ACCUM_HELP = ("micro-batches of --batch-size per optimizer step, each its own forward and backward pass; "
+                   "the global batch is --batch-size x N x processes (default: 1)")
+
+
+def build_parser(description, settings, tiny_settings):
+    """The flags shared by the three stages; `settings` gives the stage's defaults.
+
+    Flags a resumed run can take from its checkpoint default to None here, so that resolve_settings() can tell
+    a flag given again from one left out.
+    """
+    import inspection
+
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)  # --max-step must be an error, not --max-steps
+    script = Path(sys.argv[0]).stem
+    profiled = inspection.PROFILE_WAIT + inspection.PROFILE_WARMUP  # the first step of the kept trace, from 0
+
+    def default(key):
+        return f"default: {settings[key]}; {tiny_settings[key]} with --tiny"
+
+    parser.add_argument("--data", metavar="NAME_OR_PATH",
+                        help="'shakespeare' (shipped, offline), 'middlemarch' (downloaded once and cached) or the "
+                             "path of a UTF-8 text file (default: shakespeare)")
+    parser.add_argument("--tiny", action="store_true", default=None,
+                        help="a small model and batch for CPUs and tests: a few dozen steps take seconds")
+    parser.add_argument("--epochs", type=_positive_int, help=f"epochs over the training split ({default('num_epochs')})")
+    parser.add_argument("--max-steps", type=_non_negative_int,
+                        help="stop after this many optimizer steps (the log counts steps from 0, so the last is "
+                             f"step N-1); 0: no limit ({default('max_steps')})")
+    parser.add_argument("--batch-size", type=_positive_int,
+                        help=f"sequences per step and process ({default('batch_size')})")
+    parser.add_argument("--eval-freq", type=_positive_int,
+                        help=f"evaluate and log every N steps ({default('eval_freq')})")
+    parser.add_argument("--eval-iter", type=_positive_int,
+                        help=f"batches per loss estimate at each evaluation ({default('eval_iter')})")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
+                        help="where to train; auto: CUDA when available, else Apple's MPS, else the CPU "
+                             "(default: auto)")
+    parser.add_argument("--model", choices=tuple(MODEL_SIZES),
+                        help="which of the book's GPT-2 sizes to train; --tiny replaces it with a small model "
+                             "(default: gpt2-small)")
+    parser.add_argument("--seed", type=int, help="random seed (default: 123)")
+    parser.add_argument("--out",
+                        help=f"folder for metrics.json, loss.pdf/png and model.pth (default: runs/{script}; with "
+                             "--resume, the checkpoint's folder)")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="continue the run this checkpoint (a model.pth) came from: in its folder, with its "
+                             "limits and schedule (--epochs, --max-steps, --eval-freq, --eval-iter, --save-every, "
+                             "--data, --batch-size, --seed, --tiny, --model), unless given again")
+    parser.add_argument("--save-every", type=_non_negative_int, metavar="N",
+                        help="also write the checkpoint every N steps; 0: only at the end and on an "
+                             "interrupt (default: 0)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile training steps {profiled} to {profiled + inspection.PROFILE_ACTIVE - 1} "
+                             "(counted from 0, as in the log) with torch.profiler, the ones before warm up and "
+                             "compile: a trace under <out>/profile/ and a table of the top operators; those steps "
+                             "are left out of tok/s")
+    parser.add_argument("--memory-snapshot", action="store_true",
+                        help=f"CUDA only: record the caching allocator's history over the first "
+                             f"{inspection.SNAPSHOT_STEPS} steps into <out>/memory_snapshot.pickle (open it on "
+                             "https://pytorch.org/memory_viz); those steps are left out of tok/s")
+    return parser
+
+
+def resolve_settings(args, settings, tiny_settings):
+    """Fill the flags left unset: from the checkpoint of --resume, else from the stage's (or --tiny's) settings.
+
+    The cheap checks come first, before the corpus is tokenized and the model is built: a missing or unreadable
+    checkpoint, one of another stage, a --data file that cannot be read.
+    """
+    import checkpoints
+    from data.corpus import check_text_source
+
+    args.checkpoint, args.from_checkpoint = None, []
+    if args.resume:
+        args.checkpoint = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name)
+        saved = args.checkpoint["settings"]
+        for flag, key in RESUMED_FLAGS:
+            if getattr(args, flag, False) is None and key in saved:  # False: a flag this stage does not have
+                setattr(args, flag, saved[key])
+                args.from_checkpoint.append(flag)
+        if args.out is None:
+            args.out = str(Path(args.resume).parent)
+            args.from_checkpoint.append("out")
+    for flag, value in PLAIN_DEFAULTS.items():
+        if getattr(args, flag, False) is None:
+            setattr(args, flag, value)
+    chosen = tiny_settings if args.tiny else settings
+    for flag, key in (("epochs", "num_epochs"), ("batch_size", "batch_size"),
+                      ("eval_freq", "eval_freq"), ("eval_iter", "eval_iter"), ("max_steps", "max_steps")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, chosen[key])
+    if args.out is None:
+        args.out = f"runs/{Path(sys.argv[0]).stem}"
+    check_text_source(args.data)
+    failures.resume_hint = continue_command(args)
+    return args
+
+
+def run_settings(args, settings, tiny_settings):
+    """The settings dict a checkpoint and metrics.json keep: the stage's, with this run's flags in it."""
+    return {**(tiny_settings if args.tiny else settings), "num_epochs": args.epochs, "batch_size": args.batch_size,
+            "eval_freq": args.eval_freq, "eval_iter": args.eval_iter, "max_steps": args.max_steps,
+            "save_every": args.save_every, "seed": args.seed, "data": args.data, "tiny": args.tiny,
+            "model": args.model, **({"grad_accum_steps": args.grad_accum_steps} if hasattr(args, "grad_accum_steps")
+                                    else {})}
+
+
+def processes():
+    """The processes of this job: torchrun's WORLD_SIZE, else 1."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def describe_batch(args, context):
+    """The header's batch: "batch 8 x 1024 tokens", or with accumulation or several processes, e.g. "batch 8 x
+    4 accumulation steps x 2 processes = 64 sequences (65,536 tokens) per optimizer step"."""
+    steps, world = getattr(args, "grad_accum_steps", 1), processes()
+    if steps == 1 and world == 1:
+        return f"batch {args.batch_size} x {context} tokens"
+    parts = [f"batch {args.batch_size}"] + ([f"{steps} accumulation steps"] if steps > 1 else []) + (
+        [f"{world} processes"] if world > 1 else [])
+    sequences = args.batch_size * steps * world
+    return f"{' x '.join(parts)} = {sequences} sequences ({sequences * context:,} tokens) per optimizer step"
+
+
+def check_splits(args, train_windows, val_windows, context):
+    """Refuse (exit code 2) a corpus too short for one optimizer step (every micro-batch of every process) or for
+    one validation window."""
+    steps, world = getattr(args, "grad_accum_steps", 1), processes()
+    needed = args.batch_size * steps * world
+    if train_windows < needed:
+        per_step = " x ".join([str(args.batch_size)] + ([f"{steps} accumulation steps"] if steps > 1 else [])
+                              + ([f"{world} processes"] if world > 1 else []))
+        raise UsageError(f"the training split of '{args.data}' holds {train_windows} windows of {context + 1} tokens, "
+                         f"fewer than one optimizer step of {per_step} = {needed}: use a longer text or a smaller "
+                         "--batch-size" + (" or fewer --grad-accum-steps" if steps > 1 else ""))
+    if val_windows == 0:
+        raise UsageError(f"the validation split (the last 10%) of '{args.data}' is shorter than one window of "
+                         f"{context + 1} tokens: use a longer text")
+
+
+def resume_line(args, checkpoint):
+    """The header line of a resumed run: where it continues and which settings came from the checkpoint."""
+    flags = ", ".join(f"--{flag.replace('_', '-')}" + ("" if flag == "tiny" else f" {getattr(args, flag)}")
+                      for flag in args.from_checkpoint if flag != "tiny" or args.tiny)
+    return (f"Resuming {args.resume} after step {checkpoint['step'] - 1:06d} (epoch {checkpoint['epoch'] + 1})"
+            + (f" | from the checkpoint: {flags}" if flags else ""))
+
+
+def continue_command(args):
+    """The exact command that continues this run from its checkpoint, to copy and paste after an interrupt.
+
+    Flags kept in the checkpoint (and --out, implied by the checkpoint's path) are left out: --resume brings
+    them back. Under torchrun the command is torchrun's, with the processes of this launch.
+    """
+    import shlex
+
+    kept = {flag for flag, _ in RESUMED_FLAGS} | {"out", "resume", "profile", "memory_snapshot"}
+    given, words = [], sys.argv[1:]
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name = word.split("=", 1)[0]
+        takes_value = name not in ("--tiny", "--profile", "--memory-snapshot", "--no-compile",
+                                   "--activation-checkpointing") and "=" not in word
+        if name.startswith("--") and name[2:].replace("-", "_") not in kept:
+            given += words[i:i + 2] if takes_value else [word]
+        i += 2 if takes_value and name.startswith("--") else 1
+    script = ["python", sys.argv[0]]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # started by torchrun
+        nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+        script = ["torchrun", *(["--standalone"] if nodes == 1 else [f"--nnodes={nodes}", "--node_rank=<this node>",
+                                                                       f"--master_addr={os.environ['MASTER_ADDR']}",
+                                                                       f"--master_port={os.environ['MASTER_PORT']}"]),
+                  f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}", sys.argv[0]]
+    return shlex.join([*script, *given, "--resume", str(Path(args.out) / "model.pth")])

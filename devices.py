@@ -1,0 +1,208 @@
+"""The device and what it can do: --device, the CUDA build check, the header's device words, step 5's precision
+by hardware (bf16, float16 with a gradient scaler, or float32), fused AdamW and TF32, and the fallbacks of Apple's
+GPUs.
+"""
+
+import functools
+import os
+import platform
+
+from data import UsageError
+
+
+def pick_device(choice, distributed=False):
+    """The torch.device for --device. `auto` prefers CUDA, then Apple's MPS, then the CPU.
+
+    `distributed` (stage 02): torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo CPU
+    and CUDA), so there `auto` takes the CPU instead of MPS, and an explicit `--device mps` is refused.
+    """
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu (or auto)")
+    if choice == "mps" and not torch.backends.mps.is_available():
+        why = ("this PyTorch build has no MPS support" if not torch.backends.mps.is_built()
+               else "not a Mac with a GPU and macOS version that MPS supports")
+        raise UsageError(f"--device mps was asked for but PyTorch sees no Apple GPU ({why}): "
+                         "use --device cpu (or auto)")
+    if choice == "mps" and distributed:
+        raise UsageError("--device mps: torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo "
+                         "CPU and CUDA), so DDP cannot run there: on a Mac use 01_opt_single_gpu.py, or --device cpu")
+    if choice == "auto":
+        if torch.cuda.is_available():
+            choice = "cuda"
+        elif torch.backends.mps.is_available() and distributed:
+            print("Device: the CPU, not the Apple GPU: torch.distributed has no backend for MPS tensors "
+                  "(01_opt_single_gpu.py trains on MPS)", flush=True)
+            choice = "cpu"
+        else:
+            choice = "mps" if torch.backends.mps.is_available() else "cpu"
+    device = torch.device(choice)
+    if device.type == "cuda" and distributed:
+        per_node, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+        if per_node > gpus:
+            raise UsageError(f"{per_node} processes per node but this node has {gpus} GPU(s): "
+                             f"use torchrun --nproc_per_node={gpus} (or fewer)")
+    if device.type == "cuda":
+        check_cuda_build(torch.cuda.get_device_capability(), torch.cuda.get_arch_list(), torch.__version__,
+                         torch.cuda.get_device_name())
+    return device
+
+
+def check_cuda_build(capability, arch_list, torch_version, gpu_name):
+    """Refuse (exit code 2) a GPU that this PyTorch build has no kernels for, instead of failing at the first kernel.
+
+    A build holds machine code for some architectures (sm_XY: runs on compute capability X.Y' with Y' >= Y) and
+    PTX for others (compute_XY: compiled on the fly for X.Y and newer). The CUDA 13 wheels, for one, leave out
+    sm_70 (V100): such a GPU needs a build for an older CUDA.
+    """
+    major, minor = capability
+    for arch in arch_list:
+        # a suffix narrows where the code runs: sm_90a only on 9.0 (architecture-specific features), sm_120f on
+        # the family 12.x from 12.0 on (as plain sm_120 does)
+        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", arch)
+        if not match:
+            continue
+        kind, arch_major, arch_minor, suffix = match[1], int(match[2]), int(match[3]), match[4]
+        if kind == "sm" and arch_major == major and (arch_minor == minor if suffix == "a" else arch_minor <= minor):
+            return
+        exact = (arch_major, arch_minor) == (major, minor)
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor) and (suffix != "a" or exact):
+            return
+    raise UsageError(f"PyTorch {torch_version} has no kernels for the {gpu_name} (sm_{major}{minor}; this build "
+                     f"covers {' '.join(arch_list) or 'no GPU'}): install a build that includes sm_{major}{minor}, "
+                     "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126")
+
+
+# torchrun --standalone hands its workers this machine's fully qualified host name as MASTER_ADDR; where that name
+# does not resolve (containers, small VMs) the process group never starts. One machine needs only the loopback.
+SINGLE_NODE_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1")
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def describe_device(device, matmul_precision=True):
+    """The device in words; on CUDA with whether float32 matmuls use TF32 as this process set them (unless
+    `matmul_precision` is false: a description that holds for processes set otherwise)."""
+    import platform
+
+    import torch
+
+    if device.type == "mps":
+        return f"Apple GPU via MPS (macOS {platform.mac_ver()[0] or 'unknown'})"
+    if device.type != "cuda":
+        return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    major, minor = torch.cuda.get_device_capability(device)
+    # as the stage set it (step 2): "high" or "medium" lets float32 matmuls use TF32, where the GPU has it
+    tf32 = "TF32 on" if torch.get_float32_matmul_precision() != "highest" and major >= 8 else "no TF32"
+    return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, CUDA {torch.version.cuda}"
+            + (f", {tf32} for float32 matmuls)" if matmul_precision else ")"))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the hardware supports: step 5's precision, and the fallbacks an Apple GPU (MPS) needs
+# ---------------------------------------------------------------------------------------------
+
+# A test hook, not a user setting: TEST_FORCE_PRECISION=fp16 takes step 5's float16 + GradScaler path on any device
+# (autocast float16 and GradScaler work on the CPU too), so the tests can train and resume that path without a V100.
+FORCE_PRECISION_VARIABLE = "TEST_FORCE_PRECISION"
+
+
+@functools.lru_cache(maxsize=None)
+def autocast_precision(device):
+    """Step 5's choice for `device`: (precision, reason). The precision is "bf16" or "fp16" (autocast to that
+    dtype; fp16 with a gradient scaler) or "fp32" (no autocast: no reduced precision helps or works there)."""
+    import torch
+
+    forced = os.environ.get(FORCE_PRECISION_VARIABLE)
+    if forced:
+        if forced not in ("bf16", "fp16", "fp32"):
+            raise UsageError(f"{FORCE_PRECISION_VARIABLE}={forced}: use bf16, fp16 or fp32 (or unset it)")
+        return forced, f"forced by the test hook {FORCE_PRECISION_VARIABLE}"
+    if device.type == "cpu":
+        native = cpu_bf16_unit()
+        if native:
+            return "bf16", f"this CPU computes in bfloat16 ({native})"
+        return "fp32", "this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower"
+    if device.type == "mps":
+        if torch.backends.mps.is_macos_or_newer(14, 0):
+            return "bf16", "MPS has bfloat16 from macOS 14 on"
+        return "fp32", "MPS has no bfloat16 before macOS 14: float32, step 5 falls back"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return "bf16", f"compute capability {major}.{minor} has bfloat16 tensor cores"
+    if major == 7:
+        return "fp16", (f"compute capability {major}.{minor} has float16 tensor cores but no bfloat16: float16 "
+                        "autocast, with a gradient scaler against underflow")
+    return "fp32", f"compute capability {major}.{minor} has no tensor cores: reduced precision would not pay"
+
+
+def cpu_bf16_unit():
+    """The unit with which this CPU computes in bfloat16 ("AVX512-BF16", "AMX", "Arm BF16"), or None: without one,
+    oneDNN and ATen convert every bf16 operand to float32 and back, about 10x slower than float32 itself.
+
+    Asks oneDNN first (it honours ONEDNN_MAX_CPU_ISA), then the CPU's own flags: oneDNN also answers yes for plain
+    AVX512, which only emulates bf16."""
+    import platform
+
+    import torch
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64", "x86", "i686"):
+        return "Arm BF16"  # oneDNN says yes on Arm only where the CPU has the BF16 extension
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "AMX"
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "AVX512-BF16"
+    return None
+
+
+def autocast_dtype(device):
+    """The dtype that step 5's autocast computes in on `device`, or None: no autocast."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast_precision(device)[0])
+
+
+def has_tf32(device):
+    """Whether `device` has TF32 tensor cores for float32 matmuls (step 2): GPUs of compute capability 8.0 and up."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def has_fused(device):
+    """Whether this PyTorch has a fused AdamW kernel for `device` (step 3)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return device.type in _get_fused_kernels_supported_devices()
+
+
+def apply_fallbacks(device):
+    """Stages 01 and 02: one line for each optimization that cannot work on `device`, which then runs without it.
+
+    On CUDA and the CPU every step works. On Apple's MPS: pinned memory is a CUDA feature (step 4), fused AdamW
+    and bfloat16 depend on the PyTorch and macOS versions (steps 3 and 5), and torch.compile's MPS backend is
+    young (step 8): a graph it cannot compile runs eagerly instead of failing the run.
+    """
+    if device.type != "mps":
+        return
+    import torch
+
+    print("Fallback (step 4): pinned memory is CUDA only; on MPS batches are copied without pinning")
+    if not has_fused(device):
+        print(f"Fallback (step 3): PyTorch {torch.__version__} has no fused AdamW for MPS: the default AdamW")
+    precision, reason = autocast_precision(device)
+    if precision == "fp32":
+        print(f"Fallback (step 5): {reason}")
+    torch._dynamo.config.suppress_errors = True
+    print("Fallback (step 8): torch.compile on MPS is young: a graph that fails to compile runs eagerly "
+          "(PyTorch logs a warning for it) instead of stopping the run")

@@ -1,0 +1,109 @@
+"""Errors and exit codes: what a run's failures mean to the shell (the README's "Exit codes").
+
+The stages raise these; failures.run(main) turns them into one line on stderr and the documented exit code.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from data import UsageError
+
+__all__ = ["UsageError", "TrainingError", "OutputError", "NothingToTrain", "Interrupted", "run"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+resume_hint = None  # the command that continues this run, for an interrupt's message (cli.resolve_settings sets it)
+
+
+class TrainingError(Exception):
+    """The run failed while training (out of memory, a non-finite loss): exit code 1."""
+
+
+class OutputError(TrainingError):
+    """An output could not be written mid-run (disk full, quota, a folder gone or read-only): exit code 1."""
+
+
+class NothingToTrain(Exception):
+    """--resume of a checkpoint that already reached --max-steps or the last epoch: exit code 0."""
+
+
+class Interrupted(Exception):
+    """SIGINT, SIGTERM or SIGHUP arrived; the checkpoint is saved. Exit code 128 + the signal's number."""
+
+    def __init__(self, signum, step):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step = signum, step  # the last step done (0-based, as in the log)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures
+# ---------------------------------------------------------------------------------------------
+
+def out_of_memory(device, batch_size, context_length, script=None):
+    """The message for CUDA running out of memory: what failed, what was in use, and the levers that exist."""
+    import torch
+
+    in_use = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        in_use = (f" ({torch.cuda.memory_allocated(device) / 1024**3:.1f} GiB allocated, "
+                  f"{torch.cuda.memory_reserved(device) / 1024**3:.1f} GiB reserved of {total / 1024**3:.1f} GiB)")
+    script = Path(script or sys.argv[0]).name
+    levers = [f"a smaller --batch-size ({batch_size // 2})"] if batch_size > 1 else []
+    if script.startswith("03"):
+        levers += ["--activation-checkpointing", "more GPUs (torchrun --nproc_per_node=N, more nodes)"]
+    else:
+        levers += ["a smaller --model", "03_opt_multi_gpu_fsdp.py with --activation-checkpointing or more GPUs "
+                   "(it shards the weights, gradients and optimizer state)"]
+    return TrainingError(f"out of GPU memory with a batch of {batch_size} x {context_length} tokens{in_use}; "
+                         f"levers: {'; '.join(levers)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and exit codes
+# ---------------------------------------------------------------------------------------------
+
+def _lost_a_peer(err):
+    """Whether `err` is a collective failing because another process of a distributed job is gone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or (
+        isinstance(err, RuntimeError) and ("Connection closed by peer" in text or "Connection reset by peer" in text))
+
+
+def run(main):
+    """Run a stage's main() and turn its failures into the exit codes the README lists (section "Exit codes")."""
+    try:
+        main()
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except NothingToTrain as err:
+        print(f"Nothing left to train: {err}")
+        return EXIT_OK
+    except OutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except TrainingError as err:
+        print(f"training failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except Interrupted as err:
+        if os.environ.get("RANK", "0") == "0":  # in 02 every rank stops: one message for the job
+            print(f"stopped by {err} after step {err.step:06d}; the checkpoint is saved and whole. To go on:\n"
+                  f"  {resume_hint}", file=sys.stderr)
+        return 128 + err.signum
+    except KeyboardInterrupt:
+        print("interrupted at once: the last saved checkpoint (if any) is intact", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if not _lost_a_peer(err):
+            raise
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        print(f"error: another process of this job ended (its own output says why), so this one stops too: "
+              f"{first_line}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

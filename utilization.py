@@ -1,0 +1,224 @@
+"""What a run is measured against: the GPUs' peaks, FLOPs per token, MFU, and memory in one unit (GiB, with the
+steady state's peaks kept apart from the first interval's).
+"""
+
+import re
+import time
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput and MFU
+# ---------------------------------------------------------------------------------------------
+
+# One row per GPU: (name pattern, dense peak TFLOP/s as (bf16, fp16, tf32, fp32), memory bandwidth in GB/s).
+# Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (the README's "Reading the log" lists
+# them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
+# accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures "with sparsity"
+# are halved. Bandwidth (bench/roofline.py) is the HBM or GDDR figure of the same sheets: A100 data sheet (80 GB
+# SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35 TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100),
+# H200 and H200 NVL (4.8 TB/s), HGX B200 and GB200 NVL72 (8 TB/s per GPU), L40S 864, A10 600, L4 300, RTX A6000
+# 768, GeForce RTX 4090 / 4080 / 3090 specifications (1,008 / 716.8 / 936), V100 900 (V100S 1,134), T4 320.
+# More specific names first: "H100 NVL" before "H100", "A100" before "A10"; "A100" alone is the SXM 80 GB part.
+PEAK_TFLOPS = (
+    (r"GB200", (2500.0, 2500.0, 1250.0, 80.0), 8000),       # per Blackwell GPU (a superchip holds two)
+    (r"B200", (2250.0, 2250.0, 1100.0, 75.0), 8000),        # HGX B200, per GPU
+    (r"H200 NVL", (835.5, 835.5, 417.5, 60.3), 4800),
+    (r"H200", (989.4, 989.4, 494.7, 66.9), 4800),
+    (r"H100 NVL", (835.5, 835.5, 417.5, 60.3), 3900),
+    (r"H100 PCIe", (756.5, 756.5, 378.0, 51.2), 2000),
+    (r"H100", (989.4, 989.4, 494.7, 66.9), 3350),           # SXM
+    (r"H800 PCIe", (756.5, 756.5, 378.0, 51.2), 2000),
+    (r"H800", (989.4, 989.4, 494.7, 66.9), 3350),           # SXM
+    (r"A100.*(PCIe.*\b40 ?GB|\b40 ?GB.*PCIe)", (312.0, 312.0, 156.0, 19.5), 1555),
+    (r"A100.*PCIe", (312.0, 312.0, 156.0, 19.5), 1935),     # 80 GB PCIe
+    (r"A100.*\b40 ?GB", (312.0, 312.0, 156.0, 19.5), 1555),  # 40 GB SXM4
+    (r"A100", (312.0, 312.0, 156.0, 19.5), 2039),           # 80 GB SXM4
+    (r"L40S", (362.05, 362.05, 183.0, 91.6), 864),
+    (r"A10\b", (125.0, 125.0, 62.5, 31.2), 600),
+    (r"L4\b", (121.0, 121.0, 60.0, 30.3), 300),
+    (r"RTX A6000", (154.8, 154.8, 77.4, 38.7), 768),
+    (r"RTX 4090", (165.2, 165.2, 82.6, 82.6), 1008),
+    (r"RTX 4080", (97.5, 97.5, 48.7, 48.7), 716.8),         # the 16 GB card
+    (r"RTX 3090", (71.0, 71.0, 35.6, 35.6), 936),
+    (r"V100S", (None, 130.0, None, 16.4), 1134),
+    (r"V100.*PCIE", (None, 112.0, None, 14.0), 900),
+    (r"V100", (None, 125.0, None, 15.7), 900),             # SXM2
+    (r"\bT4\b", (None, 65.0, None, 8.1), 320),
+)
+PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+
+
+def gpu_peaks(name):
+    """The first row of PEAK_TFLOPS that a GPU name matches (CUDA's name, or one typed like "A100 PCIe"), as
+    (TFLOP/s in the order of PRECISIONS, memory bandwidth in GB/s); None for a GPU not in the table."""
+    for pattern, peaks, bandwidth in PEAK_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return peaks, bandwidth
+    return None
+
+
+def _peak_tflops(device, precision):
+    """(TFLOP/s or None, why there is none) for one GPU like `device`."""
+    import torch
+
+    if device.type == "cpu":
+        return None, "a CPU has no published dense peak in the table"
+    if device.type == "mps":
+        return None, "Apple does not publish a dense peak for its GPUs"
+    name = torch.cuda.get_device_name(device)
+    if re.search(r"\bMIG\b", name):  # e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb": a slice, not the whole GPU
+        return None, (f"the {name} is a MIG slice with a fraction of the GPU's compute, and NVIDIA publishes no "
+                      "peak per slice: the whole GPU's peak would understate MFU")
+    row = gpu_peaks(name)
+    if row is not None:
+        tflops = row[0][PRECISIONS.index(precision)]
+        return tflops, None if tflops else f"the {name} has no {precision} peak in the table"
+    return None, f"the {name} is not in the peak table (utilization.PEAK_TFLOPS): add its data-sheet figures"
+
+
+def peak_flops(device, precision, num_gpus=1):
+    """Dense peak FLOP/s of `num_gpus` GPUs like `device` at this precision, or None (CPU, MPS, unknown GPU)."""
+    tflops, _ = _peak_tflops(device, precision)
+    return tflops * 1e12 * num_gpus if tflops else None
+
+
+def mfu_line(device, precision):
+    """The start-up line that says what MFU is measured against, or why it is n/a for this run."""
+    tflops, why_not = _peak_tflops(device, precision)
+    if tflops is None:
+        return f"MFU: n/a: {why_not}"
+    import torch
+
+    return (f"MFU against the {torch.cuda.get_device_name(device)}'s dense {precision} peak: {tflops:g} TFLOP/s "
+            "per GPU (NVIDIA data sheet)")
+
+
+def flops_per_token(cfg, vocab_size):
+    """Training FLOPs per token: 6 x matmul weights (attention, MLP, output head) + attention scores.
+
+    `vocab_size` is the tokenizer's: columns added to the head only for speed are not useful work.
+    """
+    d, layers, context = cfg["emb_dim"], cfg["n_layers"], cfg["context_length"]
+    matmul_weights = layers * (4 * d * d + 8 * d * d) + d * vocab_size
+    return 6 * matmul_weights + 12 * layers * d * context
+
+
+def memory_line(num_params, cfg, batch_size, precision, flash_attention):
+    """The header's estimate of what training needs in GPU memory, before anything is allocated.
+
+    States: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter (Rajbhandari et al.
+    2019). Activations saved for backward: about 34 x width bytes per token and layer in 16-bit, plus 5 x heads x
+    context bytes for the attention scores where attention is not fused (Korthikanti et al. 2022), twice that in
+    float32; plus the logits and their gradient. An estimate: the allocator's own figures come after an epoch.
+    """
+    tokens = batch_size * cfg["context_length"]
+    half = 1 if precision in ("bf16", "fp16") else 2  # activations in 16-bit, or float32
+    per_token_and_layer = 34 * cfg["emb_dim"] + (0 if flash_attention else 5 * cfg["n_heads"] * cfg["context_length"])
+    activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + cfg["vocab_size"] * 4 * half)
+    return (f"Memory (estimate): weights, gradients and AdamW state {16 * num_params / GIB:.1f} GiB (16 bytes per "
+            f"parameter) + activations {activations / GIB:.1f} GiB at batch {batch_size} x {cfg['context_length']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: one unit everywhere (the log, metrics.json's *_gb keys, the ladder, the README): GiB, 1024^3 bytes
+# ---------------------------------------------------------------------------------------------
+
+GIB = 1024**3
+_first_interval_peaks = {}  # CUDA: the allocator's peaks over the first interval, once it has ended
+
+
+def end_of_warm_up(device):
+    """Called where the first log interval ends (off the clock). Its peaks hold one-off costs: compilation, and
+    Triton's autotuning, which clones every buffer a kernel writes in place (at batch 32 the logits: 3 GiB). They
+    are kept apart; the cache that only they needed is given back, and the steady state's peaks count from here."""
+    import torch
+
+    if device.type != "cuda" or _first_interval_peaks:
+        return
+    _first_interval_peaks.update(allocated=torch.cuda.max_memory_allocated(device) / GIB,
+                                 reserved=torch.cuda.max_memory_reserved(device) / GIB)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_metrics(device):
+    """metrics.json's memory in GiB (None off CUDA): now, the steady state's peaks (after the first interval) and
+    the first interval's. A run whose first interval never ended has no steady state: its peaks are the first's."""
+    import torch
+
+    keys = ("allocated_gb", "reserved_gb", "peak_allocated_gb", "peak_reserved_gb",
+            "first_interval_peak_allocated_gb", "first_interval_peak_reserved_gb")
+    if device.type != "cuda":
+        return {"memory_unit": "GiB", **dict.fromkeys(keys)}
+    peaks = (torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB)
+    first = _first_interval_peaks or dict(zip(("allocated", "reserved"), peaks))
+    steady = peaks if _first_interval_peaks else (None, None)
+    values = (torch.cuda.memory_allocated(device) / GIB, torch.cuda.memory_reserved(device) / GIB, *steady,
+              first["allocated"], first["reserved"])
+    return {"memory_unit": "GiB", **dict(zip(keys, values))}
+
+
+def peak_memory_line(metrics):
+    """The log's last word on memory: the steady state's peaks beside the first interval's; None off CUDA."""
+    if metrics["first_interval_peak_reserved_gb"] is None:
+        return None
+    steady = ("no steady state (the run ended in its first interval)" if metrics["peak_reserved_gb"] is None else
+              f"{metrics['peak_allocated_gb']:.2f} GiB allocated, {metrics['peak_reserved_gb']:.2f} GiB reserved "
+              "after the first interval")
+    return (f"Peak memory: {steady} | first interval (warm-up, compilation, autotuning): "
+            f"{metrics['first_interval_peak_allocated_gb']:.2f} GiB allocated, "
+            f"{metrics['first_interval_peak_reserved_gb']:.2f} GiB reserved")
+
+
+def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
+    if not peak or not tokens_per_sec_per_gpu:
+        return None
+    return tokens_per_sec_per_gpu * flops_per_tok / peak
+
+
+def counted_flops_per_token(build_model, context_length):
+    """One training step's FLOPs per token (forward and backward), counted by torch.utils.flop_counter.
+
+    The model is built on the meta device, so nothing is allocated or computed: a CPU counts the full-size
+    model in about two seconds. Like the formula, the counter sees only matrix multiplications (no embedding
+    lookups, norms or elementwise work); on the meta device attention runs its math path, so the scores are
+    counted in full, as the formula counts them (causal FlashAttention skips about half of that work).
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_model()
+        tokens = torch.zeros(1, context_length, dtype=torch.long)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return counter.get_total_flops() / context_length
+
+
+def flops_line(formula, counted, cfg, real_vocab_size):
+    """The start-up line that sets the counted FLOPs beside the formula's and explains the difference."""
+    padded = cfg["vocab_size"] - real_vocab_size
+    why = (f"; the counter includes the {padded} padded vocabulary columns (6 x {cfg['emb_dim']} x {padded} per "
+           "token), which the formula leaves out as no useful work" if padded > 0 else "")
+    return (f"FLOPs per token: {formula / 1e9:.4f} G by the formula (used for MFU), {counted / 1e9:.4f} G counted "
+            f"by torch.utils.flop_counter in one training step ({100 * (counted / formula - 1):+.3f}%){why}")
+
+
+def cpu_speed_note(flops_per_step, steps_per_epoch):
+    """One line, up front, estimating how slow a full-size model will be on this CPU."""
+    import torch
+
+    a = torch.randn(1024, 1024)
+    a @ a  # warm-up
+    start = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    rate = 4 * 2 * 1024**3 / (time.perf_counter() - start)
+    seconds_per_step = flops_per_step / rate
+    epoch_hours = seconds_per_step * steps_per_epoch / 3600
+    return (f"Note: the full 124M model on this CPU needs at least ~{seconds_per_step:.0f} s per step "
+            f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
+            "matmul speed); add --tiny for a small model that trains in seconds.")
