@@ -6,6 +6,7 @@ GPUs.
 import functools
 import os
 import platform
+import re
 
 from data import UsageError
 

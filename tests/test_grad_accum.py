@@ -110,9 +110,8 @@ def test_the_losses_match_too(exact_runs):
             assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5), (stage, a, b)
 
 
-@pytest.mark.parametrize("value", ["0", "-2"])
-def test_a_count_below_one_exits_2_with_one_line(tmp_path, value):
-    result = run_script("01_opt_single_gpu.py", "--tiny", "--grad-accum-steps", value, "--out", tmp_path)
+def test_a_count_below_one_exits_2_with_one_line(tmp_path):
+    result = run_script("01_opt_single_gpu.py", "--tiny", "--grad-accum-steps", "0", "--out", tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--grad-accum-steps" in lines[0] and "at least 1" in lines[0], result.stderr
@@ -141,16 +140,16 @@ def test_a_resume_keeps_the_global_batch_however_it_is_split(tmp_path, small_tex
 
 def test_with_dropout_the_runs_agree_statistically(tmp_path, small_text):
     """With dropout on, one pass over 4 sequences and four passes over 1 draw other masks: the runs agree only
-    statistically. Measured at step 29, evaluated on the same 20 sequences: 9.827 and 9.829 (2 x 2: 9.829)."""
+    statistically. Measured on the same 20 sequences: 10.394 and 10.394 at step 19; at step 29, 9.827 and 9.829."""
     finals = {}
     for name, split in (("whole", ["--batch-size", 4, "--eval-iter", 5]),
                         ("micro", ["--batch-size", 1, "--grad-accum-steps", 4, "--eval-iter", 20])):
         result = run_script("01_opt_single_gpu.py", "--tiny", "--no-compile", "--data", small_text, "--out",
-                            tmp_path / name, "--max-steps", 30, "--eval-freq", 29, *split)
+                            tmp_path / name, "--max-steps", 20, "--eval-freq", 19, *split)
         assert result.returncode == 0, result.stderr[-2000:]
         log = json.loads((tmp_path / name / "metrics.json").read_text())["log"]
         finals[name] = log[-1]["val_loss"]
-    assert finals["whole"] < 10.0  # learned (from 10.9)
+    assert finals["whole"] < 10.6  # learned (from 10.9)
     assert abs(finals["micro"] - finals["whole"]) < 0.02, finals  # the exact math: the dropout-free tests above
 
 
@@ -198,10 +197,10 @@ def test_rung_11s_ceiling_on_4_a100s_lies_above_the_original_tutorials_measureme
     assert slow_accumulated["ceiling_tok_per_sec"] > 1.5 * slow["ceiling_tok_per_sec"]
 
 
-def test_the_ladders_option_splits_rung_10s_batch_into_micro_batches(small_text):
+def test_the_ladders_option_splits_each_batch_into_micro_batches():
     from bench import rungs
 
-    rung = rungs.compose(10, torch.device("cpu"), tiny=True, options=["grad-accum"])
+    rung = rungs.compose(7, torch.device("cpu"), tiny=True, options=["grad-accum"])  # eager: no compile to wait for
     assert rung.accumulation == rungs.ACCUMULATION_STEPS and rung.batch_size == 4
     seen = []
     hook = rung.model.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
@@ -210,7 +209,7 @@ def test_the_ladders_option_splits_rung_10s_batch_into_micro_batches(small_text)
     hook.remove()
     assert seen == [1, 1, 1, 1] and loss.dim() == 0
     with pytest.raises(ValueError, match="does not divide"):
-        rungs.compose(10, torch.device("cpu"), tiny=True, batch_size=6, options=["grad-accum"])
+        rungs.compose(7, torch.device("cpu"), tiny=True, batch_size=6, options=["grad-accum"])
 
 
 def test_the_memory_model_keeps_the_gradients_between_micro_batches():

@@ -208,7 +208,7 @@ def test_two_nodes_with_activation_checkpointing_train_like_the_reference(runs):
     """Steps 0-5 on two torchrun nodes with every block recomputed: the reference's losses (float32). Node 1's
     process prints nothing and writes its shards into rank 0's folder, none into its own --out."""
     stdout = runs.results["split_node0"][1]
-    assert "world size: 2" in stdout and "global batch 8 sequences" in stdout
+    assert "world size: 2" in stdout and "x 2 processes = 8 sequences" in stdout
     assert not [line for line in runs.results["split_node1"][1].splitlines() if line.startswith("Ep ")]
     assert not list((runs.root / "split1").iterdir())
     assert "activations ~" in stdout and "with activation checkpointing" in stdout  # the header's estimate
