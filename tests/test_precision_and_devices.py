@@ -145,8 +145,8 @@ def test_float16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, sma
     Eager, like the other exact-resume tests: compiled runs agree to about 1e-8 only (the overflow test below runs the
     compiled float16 path). Batches of 2: a CPU multiplies float16 slowly, and the scaler's logic is the same at any
     batch."""
-    flags = ["--tiny", "--batch-size", "2", "--eval-freq", "3", "--eval-iter", "2", "--data", small_text,
-             "--no-compile"]
+    flags = ["--tiny", "--batch-size", "1", "--grad-accum-steps", "2", "--eval-freq", "3", "--eval-iter", "2",
+             "--data", small_text, "--no-compile"]  # 2 micro-batches: each loss scaled, one unscale and step per step
     whole = run_script("01_opt_single_gpu.py", *flags, "--out", tmp_path / "whole", "--max-steps", "12", env=FP16)
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert "precision: fp16 (forced by the test hook" in whole.stdout
@@ -516,3 +516,39 @@ def test_the_gpu_tiers_readers_understand_a_stages_output(tmp_path, small_text):
     assert entry["step_tok_per_sec"] == 12545 and entry["avg_tok_per_sec"] is None
     assert entry["mfu"] == pytest.approx(0.389)
     assert stage_runs.memory_gb(cuda_output) == {"allocated": 2.4373, "reserved": 22.51}
+
+
+def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch):
+    """utilization.end_of_warm_up keeps the first interval's peaks (compilation, autotuning's one-off clones of the
+    buffers a kernel writes in place), gives back the cache only they needed and counts the peaks anew; metrics.json
+    then holds both, in GiB."""
+    gib = utilization.GIB
+    state = {"allocated": 10 * gib, "reserved": 12 * gib, "max_allocated": 15 * gib, "max_reserved": 16 * gib}
+    calls = []
+
+    def reset(device=None):
+        calls.append("reset")
+        state["max_allocated"], state["max_reserved"] = state["allocated"], state["reserved"]
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["max_allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["max_reserved"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(utilization, "_first_interval_peaks", {})
+    device = torch.device("cuda", 0)
+    early = utilization.memory_metrics(device)  # still in the first interval: no steady state yet
+    assert early["peak_reserved_gb"] is None and early["first_interval_peak_reserved_gb"] == 16
+    utilization.end_of_warm_up(device)
+    assert calls == ["empty_cache", "reset"]
+    state["max_allocated"], state["max_reserved"] = 11 * gib, 12.5 * gib
+    utilization.end_of_warm_up(device)  # later intervals change nothing
+    assert calls == ["empty_cache", "reset"]
+    metrics = utilization.memory_metrics(device)
+    assert metrics["memory_unit"] == "GiB"
+    assert (metrics["peak_allocated_gb"], metrics["peak_reserved_gb"]) == (11, 12.5)
+    assert (metrics["first_interval_peak_allocated_gb"], metrics["first_interval_peak_reserved_gb"]) == (15, 16)
+    line = utilization.peak_memory_line(metrics)
+    assert "11.00 GiB allocated, 12.50 GiB reserved after the first interval" in line and "16.00 GiB reserved" in line
+    assert utilization.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None
