@@ -181,29 +181,32 @@ def processes():
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _optimizer_step(args):
+    """(sequences per optimizer step, "8 x 4 accumulation steps x 2 processes"): --batch-size times the
+    accumulation steps (stages 01 to 03) times the processes."""
+    steps, world = getattr(args, "grad_accum_steps", 1), processes()
+    factors = [str(args.batch_size)] + ([f"{steps} accumulation steps"] if steps > 1 else []) + (
+        [f"{world} processes"] if world > 1 else [])
+    return args.batch_size * steps * world, " x ".join(factors)
+
+
 def describe_batch(args, context):
     """The header's batch: "batch 8 x 1024 tokens", or with accumulation or several processes, e.g. "batch 8 x
     4 accumulation steps x 2 processes = 64 sequences (65,536 tokens) per optimizer step"."""
-    steps, world = getattr(args, "grad_accum_steps", 1), processes()
-    if steps == 1 and world == 1:
+    sequences, factors = _optimizer_step(args)
+    if sequences == args.batch_size:
         return f"batch {args.batch_size} x {context} tokens"
-    parts = [f"batch {args.batch_size}"] + ([f"{steps} accumulation steps"] if steps > 1 else []) + (
-        [f"{world} processes"] if world > 1 else [])
-    sequences = args.batch_size * steps * world
-    return f"{' x '.join(parts)} = {sequences} sequences ({sequences * context:,} tokens) per optimizer step"
+    return f"batch {factors} = {sequences} sequences ({sequences * context:,} tokens) per optimizer step"
 
 
 def check_splits(args, train_windows, val_windows, context):
     """Refuse (exit code 2) a corpus too short for one optimizer step (every micro-batch of every process) or for
     one validation window."""
-    steps, world = getattr(args, "grad_accum_steps", 1), processes()
-    needed = args.batch_size * steps * world
+    needed, factors = _optimizer_step(args)
     if train_windows < needed:
-        per_step = " x ".join([str(args.batch_size)] + ([f"{steps} accumulation steps"] if steps > 1 else [])
-                              + ([f"{world} processes"] if world > 1 else []))
         raise UsageError(f"the training split of '{args.data}' holds {train_windows} windows of {context + 1} tokens, "
-                         f"fewer than one optimizer step of {per_step} = {needed}: use a longer text or a smaller "
-                         "--batch-size" + (" or fewer --grad-accum-steps" if steps > 1 else ""))
+                         f"fewer than one optimizer step of {factors} = {needed}: use a longer text or a smaller "
+                         "--batch-size" + (" or fewer --grad-accum-steps" if needed > args.batch_size else ""))
     if val_windows == 0:
         raise UsageError(f"the validation split (the last 10%) of '{args.data}' is shorter than one window of "
                          f"{context + 1} tokens: use a longer text")
