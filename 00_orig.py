@@ -26,7 +26,7 @@ import failures
 import inspection
 import timekeeping
 import utilization
-from data import get_tokenizer, load_text
+from data import get_tokenizer, load_corpus
 
 GPT_CONFIG_124M = {
     "vocab_size": 50257,     # GPT-2's BPE vocabulary
@@ -61,12 +61,11 @@ TINY_SETTINGS = {**OTHER_SETTINGS, "num_epochs": 1, "batch_size": 4, "eval_freq"
 class SlidingWindowDataset(Dataset):
     """Cut the token stream into windows of `context_length`; a target is its input shifted by one."""
 
-    def __init__(self, text, tokenizer, context_length, stride):
-        ids = tokenizer.encode(text, allowed_special={"<|endoftext|>"})
-        self.tokens = torch.tensor(ids, dtype=torch.long)
+    def __init__(self, tokens, context_length, stride):
+        self.tokens = tokens  # token ids, tokenized once (python -m data.prepare); a slice reads only its window
         self.context_length = context_length
         # a window needs context_length + 1 tokens: the inputs and the one token after them
-        self.starts = range(0, len(ids) - context_length, stride)
+        self.starts = range(0, len(tokens) - context_length, stride)
 
     def __len__(self):
         return len(self.starts)
@@ -400,14 +399,13 @@ def main():
     print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason})")
 
-    # Data: 90% of the text trains, 10% validates
-    heartbeat.doing = "reading and tokenizing the corpus"
-    text = load_text(args.data)
+    # Data: token shards, memory-mapped; by default the last 10% of the text validates
+    heartbeat.doing = "opening the corpus (a named corpus or a text file is tokenized once)"
+    corpus = load_corpus(args.data)
     tokenizer = get_tokenizer()
-    split = int(0.9 * len(text))
     context = cfg["context_length"]
-    train_dataset = SlidingWindowDataset(text[:split], tokenizer, context, stride=context)
-    val_dataset = SlidingWindowDataset(text[split:], tokenizer, context, stride=context)
+    train_dataset = SlidingWindowDataset(corpus.train, context, stride=context)
+    val_dataset = SlidingWindowDataset(corpus.val, context, stride=context)
     cli.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
     train_loader = create_dataloader(train_dataset, args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)

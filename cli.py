@@ -139,7 +139,7 @@ def resolve_settings(args, settings, tiny_settings):
     checkpoint, one of another stage, a --data file that cannot be read.
     """
     import checkpoints
-    from data.corpus import check_text_source
+    from data.shards import check_data_source
 
     args.checkpoint, args.from_checkpoint = None, []
     if args.resume:
@@ -162,7 +162,7 @@ def resolve_settings(args, settings, tiny_settings):
             setattr(args, flag, chosen[key])
     if args.out is None:
         args.out = f"runs/{Path(sys.argv[0]).stem}"
-    check_text_source(args.data)
+    check_data_source(args.data)
     failures.resume_hint = continue_command(args)
     return args
 
@@ -208,8 +208,8 @@ def check_splits(args, train_windows, val_windows, context):
                          f"fewer than one optimizer step of {factors} = {needed}: use a longer text or a smaller "
                          "--batch-size" + (" or fewer --grad-accum-steps" if needed > args.batch_size else ""))
     if val_windows == 0:
-        raise UsageError(f"the validation split (the last 10%) of '{args.data}' is shorter than one window of "
-                         f"{context + 1} tokens: use a longer text")
+        raise UsageError(f"the validation split of '{args.data}' is shorter than one window of {context + 1} tokens: "
+                         "use a longer text (or prepare it with a larger --val-fraction)")
 
 
 def resume_line(args, checkpoint):

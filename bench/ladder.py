@@ -264,7 +264,7 @@ def run_rung_main(args):
     import torch
 
     from bench import rungs
-    from data import get_tokenizer, load_text
+    from data import load_corpus
 
     number = args.run_rung
     result = {"rung": number, "error": None}
@@ -290,9 +290,8 @@ def run_rung_main(args):
             f"{rung.cfg['context_length']} tokens | precision {rung.precision} | "
             f"{devices.describe_device(device)}" + "".join(f" | {note}" for note in rung.notes))
 
-        heartbeat.doing = "reading and tokenizing the corpus"
-        text, tokenizer = load_text(args.data), get_tokenizer()
-        loader = rung.make_train_loader(text, tokenizer, args.seed)
+        heartbeat.doing = "opening the corpus"
+        loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
         heartbeat.doing = "warming up" + (" (the first step compiles the model)" if number >= 8 else "")
         timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say,
@@ -512,10 +511,10 @@ def own_batch_size(stage, tiny):
 def script_steps_per_epoch(stage, args, processes):
     """Steps per epoch of a stage script on this corpus, from its own dataset class and batch size."""
     from bench.rungs import training_windows
-    from data import get_tokenizer, load_text
+    from data import load_corpus
 
     context = (stage.TINY_CONFIG if args.tiny else stage.GPT_CONFIG_124M)["context_length"]  # the same at any size
-    dataset = training_windows(stage, load_text(args.data), get_tokenizer(), context)
+    dataset = training_windows(stage, load_corpus(args.data).train, context)
     batch_size = args.batch_size or own_batch_size(stage, args.tiny)
     return len(dataset) // processes // batch_size  # the shards of DistributedSampler, then whole batches
 
@@ -856,13 +855,13 @@ def new_part(args, device_info, started_at):
 
 def run_ladder(args):
     from bench.rungs import CHANGES
-    from data import load_text
+    from data import load_corpus
 
     # --time-limit counts from the command's start: importing torch came before this line, and the device query
     # below starts CUDA, seconds
     clock_start = time.monotonic() - args.started_seconds_ago
     deadline = clock_start + args.time_limit if args.time_limit else None
-    load_text(args.data)  # a wrong --data fails here, once, with exit code 2 (and middlemarch is cached once)
+    load_corpus(args.data)  # a wrong --data fails here, once, with exit code 2 (and a text is prepared once)
     device_info = describe_device(args)
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
     out = results_folder(args, device_info)

@@ -220,10 +220,11 @@ class Rung:
     def batch_size(self):
         return self.settings["batch_size"]
 
-    def make_train_loader(self, text, tokenizer, seed):
-        """The training split's loader, cut and shuffled exactly as the stage scripts do it."""
+    def make_train_loader(self, tokens, seed):
+        """The training split's loader (`tokens`: the corpus's training tokens), cut and shuffled exactly as the
+        stage scripts do it."""
         context = self.cfg["context_length"]
-        dataset = training_windows(self.data_stage, text, tokenizer, context)
+        dataset = training_windows(self.data_stage, tokens, context)
         loader = self.data_stage.create_dataloader(dataset, self.batch_size, shuffle=True, drop_last=True, seed=seed)
         if len(loader) == 0:
             raise ValueError(f"the training split holds {len(dataset)} windows of {context + 1} tokens, "
@@ -245,9 +246,9 @@ class Rung:
         return loss
 
 
-def training_windows(stage, text, tokenizer, context):
-    """The training split's windows, cut by a stage's own dataset class: the scripts' 90/10 split."""
-    return stage.SlidingWindowDataset(text[:int(0.9 * len(text))], tokenizer, context, stride=context)
+def training_windows(stage, tokens, context):
+    """The training split's windows, cut by a stage's own dataset class from the training tokens of a corpus."""
+    return stage.SlidingWindowDataset(tokens, context, stride=context)
 
 
 class _DevicesWithoutAutocast:

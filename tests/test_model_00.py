@@ -8,16 +8,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class FakeTokenizer:
-    """Returns a known token list and records how it was called."""
+def shards(ids, folder, pieces=3):
+    """Token ids as the stages read them: memory-mapped uint16 shards, `pieces` of them end to end (so that windows
+    cross from one shard into the next)."""
+    import numpy as np
 
-    def __init__(self, ids):
-        self.ids = list(ids)
-        self.calls = []
+    from data.shards import TokenShards
 
-    def encode(self, text, allowed_special=frozenset()):
-        self.calls.append((text, allowed_special))
-        return list(self.ids)
+    ids = list(ids)
+    bounds = [len(ids) * k // pieces for k in range(pieces + 1)]
+    paths, counts = [], []
+    for k in range(pieces):
+        path = folder / f"shard-{k}.bin"
+        np.asarray(ids[bounds[k]:bounds[k + 1]], dtype="<u2").tofile(path)
+        paths.append(path)
+        counts.append(bounds[k + 1] - bounds[k])
+    keep = [k for k in range(pieces) if counts[k]]
+    return TokenShards([paths[k] for k in keep], [counts[k] for k in keep])
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +44,10 @@ def tiny_model(stage00):
     (8, 8, 8), (8, 8, 1), (3, 8, 8), (0, 8, 8),                                   # n <= L: none
     (17, 8, 8), (16, 8, 8), (1000, 64, 64), (1000, 64, 100),
 ])
-def test_sliding_windows(stage00, n, length, stride):
+def test_sliding_windows(stage00, n, length, stride, tmp_path):
     ids = [(7 * i + 3) % 50257 for i in range(n)]  # distinct, so a shifted window cannot look right by luck
-    fake = FakeTokenizer(ids)
-    dataset = stage00.SlidingWindowDataset("some text", fake, length, stride)
+    dataset = stage00.SlidingWindowDataset(shards(ids, tmp_path), length, stride)
 
-    assert len(fake.calls) == 1 and fake.calls[0][0] == "some text"
-    assert "<|endoftext|>" in fake.calls[0][1], "the corpus separator must be allowed"
     expected_starts = list(range(0, n - length, stride))
     assert len(dataset) == len(expected_starts)
     for index, start in enumerate(expected_starts):
@@ -55,9 +59,9 @@ def test_sliding_windows(stage00, n, length, stride):
         assert torch.equal(inputs[1:], targets[:-1])  # the target is the input shifted by one
 
 
-def test_sliding_windows_batch_through_the_dataloader(stage00):
-    fake = FakeTokenizer(range(1, 42))  # 41 tokens, windows of 8: starts 0, 8, 16, 24, 32
-    dataset = stage00.SlidingWindowDataset("x", fake, 8, 8)
+def test_sliding_windows_batch_through_the_dataloader(stage00, tmp_path):
+    # 41 tokens, windows of 8: starts 0, 8, 16, 24, 32
+    dataset = stage00.SlidingWindowDataset(shards(range(1, 42), tmp_path), 8, 8)
     loader = stage00.create_dataloader(dataset, batch_size=2, shuffle=False, drop_last=True)
     batches = list(loader)
     assert len(batches) == 2  # 5 windows, drop_last
@@ -66,8 +70,8 @@ def test_sliding_windows_batch_through_the_dataloader(stage00):
     assert inputs[1, 0].item() == 9 and targets[1, -1].item() == 17
 
 
-def test_shuffle_is_reproducible(stage00):
-    dataset = stage00.SlidingWindowDataset("x", FakeTokenizer(range(200)), 4, 4)
+def test_shuffle_is_reproducible(stage00, tmp_path):
+    dataset = stage00.SlidingWindowDataset(shards(range(200), tmp_path), 4, 4)
 
     def order(seed):
         loader = stage00.create_dataloader(dataset, batch_size=1, shuffle=True, drop_last=True, seed=seed)

@@ -143,10 +143,9 @@ def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text
 
 def test_the_tiny_validation_split_ends_in_a_short_batch(small_text, tokenizer, stage):
     """The run above meets a short last validation batch (what used to trigger a recompile)."""
-    text = small_text.read_text(encoding="utf-8")
+    from data import load_corpus
     cfg = stage.TINY_CONFIG
-    val = stage.SlidingWindowDataset(text[int(0.9 * len(text)):], tokenizer, cfg["context_length"],
-                                     cfg["context_length"])
+    val = stage.SlidingWindowDataset(load_corpus(str(small_text)).val, cfg["context_length"], cfg["context_length"])
     assert len(val) % stage.TINY_SETTINGS["batch_size"] != 0 and len(val) < 100 * stage.TINY_SETTINGS["batch_size"]
 
 
@@ -159,7 +158,7 @@ def test_an_epoch_starts_without_waiting_for_loader_workers(stage, small_text, t
         monkeypatch.setattr(stage, "DistributedSampler",
                             lambda dataset, **kwargs: DistributedSampler(dataset, num_replicas=1, rank=0, **kwargs))
     text = small_text.read_text(encoding="utf-8")
-    dataset = stage.SlidingWindowDataset(text, tokenizer, 64, 64)
+    dataset = stage.SlidingWindowDataset(torch.tensor(tokenizer.encode(text)), 64, 64)
     loader = stage.create_dataloader(dataset, 4, shuffle=True, drop_last=True, seed=1)
     assert loader.num_workers == 0 or loader.persistent_workers
     first_batch_seconds = []

@@ -110,9 +110,8 @@ def empty_compile_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def validation_windows():
     """How many windows of 1,024 tokens the validation split of the shipped text holds (the stages' own split)."""
-    from data import get_tokenizer, load_text
+    from data import load_corpus
 
     stage = suite.load_stage("01_opt_single_gpu.py")
-    text = load_text("shakespeare")
     context = stage.GPT_CONFIG_124M["context_length"]
-    return len(stage.SlidingWindowDataset(text[int(0.9 * len(text)):], get_tokenizer(), context, context))
+    return len(stage.SlidingWindowDataset(load_corpus("shakespeare").val, context, context))

@@ -1,0 +1,362 @@
+"""Tokenize a corpus once into token shards that every stage memory-maps (`--data DIR`).
+
+    python -m data.prepare SOURCE... --out DIR [--workers N] [--val-fraction F] [--chunk-mb MB]
+
+SOURCE: UTF-8 text files (each one document), JSON-lines files (`.jsonl`: one document per line, in its "text"
+field) and folders of them (every .txt and .jsonl below, in name order). Documents are joined with GPT-2's
+<|endoftext|> token. The last --val-fraction of the characters validates (0.1: the book's last 10%); the document
+that holds the cut is cut there, as the book cuts its one text.
+
+The sources are cut into chunks (at a line break between two visible characters, where GPT-2's tokenizer would
+split anyway: the tokens are those of the whole text) that the worker processes tokenize in parallel. Each chunk
+becomes one shard: raw little-endian uint16 token ids, 2 bytes a token. `corpus.json` describes them: the
+tokenizer, each shard's tokens, the sources with their sizes, the split.
+
+Everything is written into DIR.partial and moved to DIR only when whole, so a run never reads a half-written shard
+and a failed preparation never replaces a good DIR. An interrupted preparation run again with the same sources and
+settings keeps the chunks it finished and goes on; with others it starts clean.
+"""
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from data.corpus import ENDOFTEXT, UsageError
+from data.files import save_atomically, write_atomically
+from data.shards import DESCRIPTION, DTYPE, FORMAT, TOKENIZER, VOCAB_SIZE, locked
+
+TEXT_SUFFIXES = {".txt", ".text", ".md"}
+JSONL_SUFFIXES = {".jsonl"}
+PLAN_VERSION = 1
+# a chunk may end after a line break with a visible ASCII character on each side: the tokenizer splits there
+SAFE_CUT = re.compile(rb"[\x21-\x7e]\n(?=[\x21-\x7e])")
+FAIL_HOOK = "PREPARE_FAIL_AFTER_CHUNKS"  # a testing hook: stop as if interrupted after this many chunks
+
+
+def find_sources(arguments):
+    """The files to tokenize, in order: each argument, or every .txt/.jsonl file below a folder (sorted)."""
+    if not arguments:
+        raise UsageError("no sources: name text files, .jsonl files or folders of them")
+    files = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSONL_SUFFIXES
+                           and not p.name.startswith("."))
+            if not found:
+                raise UsageError(f"{path} holds no .txt or .jsonl files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UsageError(f"no such file or folder: {path}")
+    return [{"path": str(p.resolve()), "kind": "jsonl" if p.suffix in JSONL_SUFFIXES else "text",
+             "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
+
+
+def plan_chunks(sources, chunk_bytes):
+    """Cut each source into chunks of about chunk_bytes: text at safe line breaks, JSON lines at line starts."""
+    chunks = []
+    for number, source in enumerate(sources):
+        size, start = source["bytes"], 0
+        with open(source["path"], "rb") as handle:
+            while start < size or (start == 0 and size == 0):
+                end = min(size, start + chunk_bytes)
+                if end < size:
+                    handle.seek(end)
+                    ahead = handle.read(1 << 20)
+                    if source["kind"] == "jsonl":
+                        newline = ahead.find(b"\n")
+                        end = size if newline < 0 else end + newline + 1
+                    else:
+                        handle.seek(end - 1)
+                        ahead = handle.read(1 << 20)
+                        match = SAFE_CUT.search(ahead)
+                        end = size if match is None else end - 1 + match.end()
+                chunks.append({"source": number, "start": start, "end": end})
+                if size == 0:
+                    break
+                start = end
+    return chunks
+
+
+_ENCODER = None
+
+
+def encoder():
+    global _ENCODER
+    if _ENCODER is None:
+        from data.tokenizer import get_tokenizer
+        _ENCODER = get_tokenizer()
+    return _ENCODER
+
+
+def documents(source, chunk, first_chunk):
+    """The chunk's documents as (whether an <|endoftext|> goes before it, its text)."""
+    with open(source["path"], "rb") as handle:
+        handle.seek(chunk["start"])
+        raw = handle.read(chunk["end"] - chunk["start"])
+    if source["kind"] == "text":
+        skip = 3 if chunk["start"] == 0 and raw.startswith(b"\xef\xbb\xbf") else 0  # a byte-order mark
+        try:
+            text = raw[skip:].decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"{source['path']} is not UTF-8 text (invalid byte at offset "
+                             f"{chunk['start'] + skip + err.start}): convert it, e.g. with iconv -t UTF-8") from None
+        return [(chunk["start"] == 0 and not first_chunk, text)] if text else []
+    docs, offset = [], chunk["start"]
+    for line in raw.split(b"\n"):
+        where = offset
+        offset += len(line) + 1
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise UsageError(f"{source['path']} is not UTF-8 text (invalid byte at offset {where + err.start})") from None
+        except ValueError as err:
+            raise UsageError(f"{source['path']}: the line at byte offset {where} is not JSON ({err})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise UsageError(f"{source['path']}: the line at byte offset {where} has no \"text\" string field "
+                             "(each line must be a JSON object with the document in \"text\")")
+        if record["text"]:
+            docs.append((not (first_chunk and not docs), record["text"]))
+    return docs
+
+
+def encode(docs):
+    """Token ids of documents: <|endoftext|> before each that asks for one; the literal string is that token too."""
+    enc, ids = encoder(), []
+    for separator, text in docs:
+        if separator:
+            ids.append(enc.eot_token)
+        ids.extend(enc.encode(text, allowed_special={ENDOFTEXT}))
+    return ids
+
+
+def save_tokens(ids, path):
+    array = np.asarray(ids, dtype=np.uint16) if ids else np.zeros(0, dtype=np.uint16)
+    if ids and max(ids) >= 1 << 16:
+        raise UsageError(f"token id {max(ids)} does not fit in {DTYPE}")
+    save_atomically(lambda tmp: array.astype("<u2").tofile(tmp), path)
+    return {"tokens": len(ids), "max_token": max(ids) if ids else 0}
+
+
+def tokenize_chunk(job):
+    """Worker: tokenize one chunk into its shard, then write its summary (the shard is done when that exists)."""
+    number, source, chunk, work = job
+    docs = documents(source, chunk, first_chunk=number == 0)
+    shard = save_tokens(encode(docs), Path(work) / f"chunk-{number:06d}.bin")
+    summary = {**shard, "characters": sum(len(text) for _, text in docs), "documents": len(docs),
+               "bytes": chunk["end"] - chunk["start"]}
+    write_atomically(Path(work) / f"chunk-{number:06d}.json", json.dumps(summary).encode())
+    return number, summary
+
+
+def split_docs(docs, cut, work):
+    """Tokenize documents as two shards: their characters before `cut`, and from it."""
+    before, after, seen = [], [], 0
+    for separator, text in docs:
+        if seen + len(text) <= cut:
+            before.append((separator, text))
+        elif seen >= cut:
+            after.append((separator, text))
+        else:
+            before.append((separator, text[:cut - seen]))
+            after.append((False, text[cut - seen:]))
+        seen += len(text)
+    return (save_tokens(encode(before), Path(work) / "split-train.bin"),
+            save_tokens(encode(after), Path(work) / "split-val.bin"))
+
+
+class Progress:
+    def __init__(self, total_bytes, quiet, every=2.0):
+        self.total, self.quiet, self.every = total_bytes, quiet, every
+        self.start = self.last = time.monotonic()
+        self.done = self.tokens = 0
+
+    def add(self, summary, force=False):
+        self.done += summary["bytes"]
+        self.tokens += summary["tokens"]
+        now = time.monotonic()
+        if self.quiet or (now - self.last < self.every and not force):
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        left = (self.total - self.done) / rate if rate else 0
+        print(f"prepare: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB ({self.done / max(self.total, 1):.0%}) "
+              f"| {rate / 1e6:.1f} MB/s | {self.tokens:,} tokens | ~{left:.0f} s left", flush=True)
+
+
+def prepare(arguments, out, workers=None, val_fraction=0.1, chunk_mb=32, quiet=False, command=None, lock=True):
+    """Prepare the sources into folder `out` (see the module's docstring); returns the description. `lock=False`:
+    the caller already holds data.shards.locked(out)."""
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    out = Path(out)
+    if out.exists() and not (out / DESCRIPTION).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} exists and is not a prepared corpus: choose another --out (nothing was written)")
+    sources = find_sources(arguments)
+    total = sum(source["bytes"] for source in sources)
+    if not workers:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    chunk_bytes = max(1 << 20, min(chunk_mb << 20, total // (8 * workers) if workers > 1 else chunk_mb << 20))
+    settings = {"version": PLAN_VERSION, "tokenizer": TOKENIZER, "val_fraction": val_fraction,
+                "chunk_bytes": chunk_bytes, "sources": sources}
+    with locked(out) if lock else contextlib.nullcontext():
+        work = out.with_name(out.name + ".partial")
+        plan_path = work / "plan.json"
+        if work.exists():
+            try:
+                resumed = json.loads(plan_path.read_text(encoding="utf-8"))["settings"] == settings
+            except (OSError, ValueError, KeyError):
+                resumed = False
+            if not resumed:
+                if not quiet:
+                    print(f"prepare: {work} holds an interrupted preparation of other sources or settings: "
+                          "starting clean", flush=True)
+                shutil.rmtree(work)
+        if not work.exists():
+            chunks = plan_chunks(sources, chunk_bytes)
+            work.mkdir(parents=True)
+            write_atomically(plan_path, json.dumps({"settings": settings, "chunks": chunks}).encode())
+        chunks = json.loads(plan_path.read_text(encoding="utf-8"))["chunks"]
+        return _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, quiet, command, total)
+
+
+def _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, quiet, command, total):
+    summaries, progress = {}, Progress(total, quiet)
+    for number in range(len(chunks)):
+        path = work / f"chunk-{number:06d}.json"
+        if path.is_file() and (work / f"chunk-{number:06d}.bin").is_file():
+            summaries[number] = json.loads(path.read_text(encoding="utf-8"))
+            progress.add(summaries[number])
+    if summaries and not quiet:
+        print(f"prepare: going on from an interrupted preparation: {len(summaries)} of {len(chunks)} chunks "
+              "already done", flush=True)
+    single = None
+    if len(chunks) == 1 and not summaries:  # one chunk: tokenize it once, already cut at the split
+        single = documents(sources[chunks[0]["source"]], chunks[0], first_chunk=True)
+        summaries[0] = {"characters": sum(len(text) for _, text in single), "documents": len(single),
+                        "tokens": 0, "max_token": 0, "bytes": chunks[0]["end"] - chunks[0]["start"]}
+    jobs = [(n, sources[c["source"]], c, str(work)) for n, c in enumerate(chunks) if n not in summaries]
+    if not quiet:
+        print(f"prepare: {len(sources)} source(s), {total / 1e6:,.1f} MB in {len(chunks)} chunk(s), "
+              f"{min(workers, max(len(jobs), 1))} worker process(es)", flush=True)
+    fail_after = int(os.environ.get(FAIL_HOOK, "0") or 0)
+    if workers > 1 and len(jobs) > 1:
+        context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or a GPU
+        with context.Pool(min(workers, len(jobs))) as pool:
+            for done, (number, summary) in enumerate(pool.imap_unordered(tokenize_chunk, jobs), 1):
+                summaries[number] = summary
+                progress.add(summary)
+                if fail_after and done >= fail_after:
+                    raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
+    else:
+        for done, job in enumerate(jobs, 1):
+            number, summary = tokenize_chunk(job)
+            summaries[number] = summary
+            progress.add(summary)
+            if fail_after and done >= fail_after:
+                raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
+    characters = sum(s["characters"] for s in summaries.values())
+    if not characters:
+        raise UsageError("the sources hold no text: nothing to train on")
+    description = assemble(sources, chunks, summaries, work, characters, val_fraction, single)
+    description["command"] = command
+    description["prepared"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    write_atomically(work / DESCRIPTION, json.dumps(description, indent=1).encode())
+    for name in ("plan.json", *(f"chunk-{n:06d}.json" for n in range(len(chunks)))):
+        (work / name).unlink(missing_ok=True)
+    swap_in(work, out)
+    if not quiet:
+        tokens = description["tokens"]
+        print(f"prepare: wrote {out}: {tokens['train']:,} training and {tokens['val']:,} validation tokens in "
+              f"{len(description['train']) + len(description['val'])} shards ({2 * sum(tokens.values()) / 1e6:,.1f} "
+              f"MB) in {time.monotonic() - progress.start:.1f} s", flush=True)
+    return description
+
+
+def assemble(sources, chunks, summaries, work, characters, val_fraction, single=None):
+    """Name the chunks' shards by split: those before the cut train, those after validate, and the chunk that holds
+    the cut is tokenized again as one shard of each (`single`: the documents of a plan of one chunk)."""
+    cut = int((1 - val_fraction) * characters)
+    train, val, seen = [], [], 0
+    for number, chunk in enumerate(chunks):
+        summary, path = summaries[number], work / f"chunk-{number:06d}.bin"
+        if seen + summary["characters"] <= cut or seen >= cut:  # wholly before the cut, or wholly after it
+            split, prefix = (train, "train") if seen + summary["characters"] <= cut else (val, "val")
+            name = f"{prefix}-{len(split):06d}.bin"
+            split.append({"file": name, "tokens": summary["tokens"], "max_token": summary["max_token"]})
+            os.replace(path, work / name)
+        else:
+            docs = single if single is not None else documents(sources[chunk["source"]], chunk, number == 0)
+            head, tail = split_docs(docs, cut - seen, work)
+            for part, split, prefix in ((head, train, "train"), (tail, val, "val")):
+                name = f"{prefix}-{len(split):06d}.bin"
+                split.append({"file": name, **part})
+                os.replace(work / f"split-{prefix}.bin", work / name)
+            path.unlink(missing_ok=True)
+        seen += summary["characters"]
+    return {"format": FORMAT, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": DTYPE,
+            "endoftext": VOCAB_SIZE - 1, "val_fraction": val_fraction, "characters": characters,
+            "documents": sum(s["documents"] for s in summaries.values()),
+            "tokens": {"train": sum(s["tokens"] for s in train), "val": sum(s["tokens"] for s in val)},
+            "sources": [{"path": s["path"], "kind": s["kind"], "bytes": s["bytes"]} for s in sources],
+            "train": train, "val": val}
+
+
+def swap_in(work, out):
+    """Move the finished folder to `out`; a good folder already there is replaced only now, when the new one is
+    whole."""
+    if out.exists():
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sources", nargs="*", metavar="SOURCE", help="text files, .jsonl files, or folders of them")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the prepared folder (train with --data DIR)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="tokenizing processes (default: every core this process may use)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+                        help="the share of the characters, at the end, that validates (default: 0.1, the book's "
+                             "last 10%%; a large corpus needs far less, e.g. 0.001)")
+    parser.add_argument("--chunk-mb", type=int, default=32, metavar="MB",
+                        help="text per chunk and so per shard, at most (default: 32; smaller for a small corpus, so "
+                             "that every worker gets several)")
+    parser.error = lambda message: (print(f"python -m data.prepare: error: {message} (see --help)", file=sys.stderr),
+                                    sys.exit(2))
+    args = parser.parse_args(argv)
+    if args.workers is not None and args.workers < 1 or args.chunk_mb < 1:
+        parser.error("--workers and --chunk-mb must be at least 1")
+    command = " ".join(["python -m data.prepare", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        prepare(args.sources, args.out, args.workers, args.val_fraction, args.chunk_mb, command=command)
+    except UsageError as err:
+        print(f"python -m data.prepare: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"python -m data.prepare: interrupted: run the same command again to go on ({args.out} is unchanged)",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
