@@ -18,6 +18,7 @@ from data.files import write_atomically
 CACHE_DIR = Path(__file__).resolve().parent / "cache"  # inside the checkout, where it can be written
 # Where the cache goes when the checkout cannot be written (a shared install, a read-only container image).
 USER_CACHE_NAME = "fast-gpt2-training"
+CACHE_VARIABLE = "FAST_GPT2_CACHE"  # a folder for the cached texts and prepared corpora instead of those two
 ENDOFTEXT = "<|endoftext|>"
 CORPORA = ("shakespeare", "middlemarch")
 # Project Gutenberg ebook 145, the corpus of the original tutorial; MIDDLEMARCH_URL points elsewhere (a mirror).
@@ -82,8 +83,10 @@ def read_text_file(path):
 
 
 def cache_folder(cache_dir=None, name=None):
-    """Where cached corpora go: data/cache/ when the checkout can be written there (or already holds `name`), else
-    the user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
+    """Where cached corpora go: $FAST_GPT2_CACHE if set, else data/cache/ when the checkout can be written there (or
+    already holds `name`), else the user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
+    if cache_dir is None:
+        cache_dir = os.environ.get(CACHE_VARIABLE) or None
     if cache_dir is not None:
         return Path(cache_dir)
     if (name and (CACHE_DIR / name).exists()) or _writable(CACHE_DIR):

@@ -184,7 +184,7 @@ class Progress:
         self.start = self.last = time.monotonic()
         self.done = self.tokens = 0
 
-    def add(self, summary, force=False):
+    def add(self, summary, force=False):  # force: the last chunk's line, always shown
         self.done += summary["bytes"]
         self.tokens += summary["tokens"]
         now = time.monotonic()
@@ -209,7 +209,9 @@ def prepare(arguments, out, workers=None, val_fraction=0.1, chunk_mb=32, quiet=F
     total = sum(source["bytes"] for source in sources)
     if not workers:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    chunk_bytes = max(1 << 20, min(chunk_mb << 20, total // (8 * workers) if workers > 1 else chunk_mb << 20))
+    chunk_bytes = int(chunk_mb * (1 << 20))
+    if workers > 1:  # several chunks for every worker, so that none waits long for the last one
+        chunk_bytes = min(chunk_bytes, max(1 << 20, total // (8 * workers)))
     settings = {"version": PLAN_VERSION, "tokenizer": TOKENIZER, "val_fraction": val_fraction,
                 "chunk_bytes": chunk_bytes, "sources": sources}
     with locked(out) if lock else contextlib.nullcontext():
@@ -258,14 +260,14 @@ def _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, qu
         with context.Pool(min(workers, len(jobs))) as pool:
             for done, (number, summary) in enumerate(pool.imap_unordered(tokenize_chunk, jobs), 1):
                 summaries[number] = summary
-                progress.add(summary)
+                progress.add(summary, force=done == len(jobs))
                 if fail_after and done >= fail_after:
                     raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
     else:
         for done, job in enumerate(jobs, 1):
             number, summary = tokenize_chunk(job)
             summaries[number] = summary
-            progress.add(summary)
+            progress.add(summary, force=done == len(jobs))
             if fail_after and done >= fail_after:
                 raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
     characters = sum(s["characters"] for s in summaries.values())
@@ -279,10 +281,10 @@ def _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, qu
         (work / name).unlink(missing_ok=True)
     swap_in(work, out)
     if not quiet:
-        tokens = description["tokens"]
+        tokens, seconds = description["tokens"], time.monotonic() - progress.start
         print(f"prepare: wrote {out}: {tokens['train']:,} training and {tokens['val']:,} validation tokens in "
               f"{len(description['train']) + len(description['val'])} shards ({2 * sum(tokens.values()) / 1e6:,.1f} "
-              f"MB) in {time.monotonic() - progress.start:.1f} s", flush=True)
+              f"MB) in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s of text)", flush=True)
     return description
 
 
@@ -337,14 +339,14 @@ def main(argv=None):
     parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                         help="the share of the characters, at the end, that validates (default: 0.1, the book's "
                              "last 10%%; a large corpus needs far less, e.g. 0.001)")
-    parser.add_argument("--chunk-mb", type=int, default=32, metavar="MB",
+    parser.add_argument("--chunk-mb", type=float, default=32, metavar="MB",
                         help="text per chunk and so per shard, at most (default: 32; smaller for a small corpus, so "
                              "that every worker gets several)")
     parser.error = lambda message: (print(f"python -m data.prepare: error: {message} (see --help)", file=sys.stderr),
                                     sys.exit(2))
     args = parser.parse_args(argv)
-    if args.workers is not None and args.workers < 1 or args.chunk_mb < 1:
-        parser.error("--workers and --chunk-mb must be at least 1")
+    if (args.workers is not None and args.workers < 1) or args.chunk_mb < 0.01:
+        parser.error("--workers must be at least 1 and --chunk-mb at least 0.01")
     command = " ".join(["python -m data.prepare", *(sys.argv[1:] if argv is None else argv)])
     try:
         prepare(args.sources, args.out, args.workers, args.val_fraction, args.chunk_mb, command=command)

@@ -48,6 +48,20 @@ def pytest_configure(config):
     # start, set before any of them imports torch. Two threads each would oversubscribe the cores and spin.
     if (getattr(config.option, "numprocesses", None) or 0) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The corpora the tests prepare (the shipped one, and every small text file a test writes) go to a folder of
+    # this run's, shared by its workers, not into the checkout's data/cache/.
+    if "FAST_GPT2_CACHE" not in os.environ:
+        import tempfile
+
+        os.environ["FAST_GPT2_CACHE"] = config._test_corpus_cache = tempfile.mkdtemp(prefix="fast-gpt2-test-cache-")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_test_corpus_cache", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path, config):

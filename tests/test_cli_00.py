@@ -120,7 +120,7 @@ def _missing(tmp_path, small_text, tokenizer):
 
 def _directory(tmp_path, small_text, tokenizer):
     (tmp_path / "a-folder").mkdir()
-    return ["--data", tmp_path / "a-folder"], "directory"
+    return ["--data", tmp_path / "a-folder"], "is a folder but not a prepared corpus"
 
 
 def _empty(tmp_path, small_text, tokenizer):

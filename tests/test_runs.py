@@ -148,6 +148,7 @@ def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
             path.chmod(0o555 if path.is_dir() else 0o444)
         env = {**ENV, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONDONTWRITEBYTECODE": "1",
                "TIKTOKEN_CACHE_DIR": str(home / "tiktoken"), "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor")}
+        env.pop("FAST_GPT2_CACHE", None)  # the default places: the checkout's data/cache, else the user's cache
         # root writes into read-only folders; in a user namespace of its own it keeps its files but loses that power
         as_owner_only = ["unshare", "--user"] if os.getuid() == 0 else []
         if as_owner_only and (not shutil.which("unshare")
@@ -160,6 +161,7 @@ def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
         cache = home / ".cache" / "fast-gpt2-training"
         assert f"the corpus is cached in {cache}" in result.stdout
         assert list(cache.glob("shakespeare-*.txt")), "the corpus cache is not in the user's cache folder"
+        assert list(cache.glob("shakespeare-*.tokens/corpus.json")), "the prepared corpus is not beside it"
         assert not (checkout / "data" / "cache").exists()
         assert (out / "metrics.json").is_file() and (out / "model.pth").is_file()
     finally:

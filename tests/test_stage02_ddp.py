@@ -86,6 +86,11 @@ def run_all(commands, timeout, envs=None):
     return results
 
 
+def load_corpus_train(folder):
+    from data.shards import open_prepared
+    return open_prepared(folder).train
+
+
 def read_metrics(out):
     return json.loads((Path(out) / "metrics.json").read_text(encoding="utf-8"))
 
@@ -99,13 +104,32 @@ def log_lines(stdout):
 # ---------------------------------------------------------------------------------------------
 
 def test_torchrun_two_processes_end_to_end(stage02, small_text, tmp_path):
-    out = tmp_path / "run"
+    from data.prepare import prepare
+
+    out, reads = tmp_path / "run", tmp_path / "reads.log"
     steps = 10
+    prepare([small_text], tmp_path / "prepared", workers=1, quiet=True)  # a prepared folder, as for a large corpus
     [(rc, stdout, stderr)] = run_all([torchrun(
-        "--standalone", "--nproc_per_node=2", STAGE, "--tiny", "--no-compile", "--data", small_text,
-        "--out", out, "--max-steps", steps, "--eval-freq", 5)], timeout=180)
+        "--standalone", "--nproc_per_node=2", STAGE, "--tiny", "--no-compile", "--data", tmp_path / "prepared",
+        "--out", out, "--max-steps", steps, "--eval-freq", 5)], timeout=180, envs=[clean_env(DATA_READ_LOG=reads)])
     assert rc == 0, stdout + stderr
     assert "Traceback" not in stderr, stderr
+
+    # each rank reads the training windows it trains on, and no other rank's: the token shards are read window by
+    # window (a testing hook logs each read), the evaluation's windows, read in order from the first, aside
+    read = {rank: set() for rank in ("0", "1")}
+    for line in reads.read_text().splitlines():
+        rank, split, start, stop = line.split()
+        assert int(stop) - int(start) == TINY_CONTEXT + 1, line
+        if split == "train":
+            read[rank].add(int(start))
+    evaluated = {window * TINY_CONTEXT for window in range(stage02.TINY_SETTINGS["eval_iter"] * TINY_BATCH)}
+    trained = {rank: starts - evaluated for rank, starts in read.items()}
+    assert not trained["0"] & trained["1"], "two ranks read the same training window"
+    for rank, starts in read.items():
+        assert steps * TINY_BATCH - len(evaluated) <= len(trained[rank]) <= steps * TINY_BATCH, (rank, len(starts))
+    windows = len(stage02.SlidingWindowDataset(load_corpus_train(tmp_path / "prepared"), TINY_CONTEXT, TINY_CONTEXT))
+    assert len(read["0"] | read["1"]) <= 2 * steps * TINY_BATCH + len(evaluated) < windows  # not the whole split
 
     # the header, once: world size and the global batch
     headers = [line for line in stdout.splitlines() if line.startswith("PyTorch ")]
