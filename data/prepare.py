@@ -151,37 +151,55 @@ def save_tokens(ids, path):
     return {"tokens": len(ids), "max_token": max(ids) if ids else 0}
 
 
+def count_chunk(job):
+    """Worker: the characters of one chunk's documents (reading and checking them: bad input fails here, early)."""
+    number, source, chunk = job
+    return sum(len(text) for _, text in documents(source, chunk, first_chunk=number == 0))
+
+
 def tokenize_chunk(job):
-    """Worker: tokenize one chunk into its shard, then write its summary (the shard is done when that exists)."""
+    """Worker: tokenize one chunk into its shard (two, split at `cut`, for the chunk that holds the validation
+    split's start), then write its summary: the chunk is done when that exists."""
     number, source, chunk, work = job
     docs = documents(source, chunk, first_chunk=number == 0)
-    shard = save_tokens(encode(docs), Path(work) / f"chunk-{number:06d}.bin")
-    summary = {**shard, "characters": sum(len(text) for _, text in docs), "documents": len(docs),
-               "bytes": chunk["end"] - chunk["start"]}
+    if chunk["cut"] is None:
+        parts = {chunk["side"]: save_tokens(encode(docs), Path(work) / f"chunk-{number:06d}-{chunk['side']}.bin")}
+    else:
+        before, after, seen = [], [], 0
+        for separator, text in docs:  # the document holding the cut is cut there
+            if seen + len(text) <= chunk["cut"]:
+                before.append((separator, text))
+            elif seen >= chunk["cut"]:
+                after.append((separator, text))
+            else:
+                before.append((separator, text[:chunk["cut"] - seen]))
+                after.append((False, text[chunk["cut"] - seen:]))
+            seen += len(text)
+        parts = {side: save_tokens(encode(part), Path(work) / f"chunk-{number:06d}-{side}.bin")
+                 for side, part in (("train", before), ("val", after))}
+    summary = {"parts": parts, "documents": len(docs), "bytes": chunk["end"] - chunk["start"],
+               "tokens": sum(part["tokens"] for part in parts.values())}
     write_atomically(Path(work) / f"chunk-{number:06d}.json", json.dumps(summary).encode())
     return number, summary
 
 
-def split_docs(docs, cut, work):
-    """Tokenize documents as two shards: their characters before `cut`, and from it."""
-    before, after, seen = [], [], 0
-    for separator, text in docs:
-        if seen + len(text) <= cut:
-            before.append((separator, text))
-        elif seen >= cut:
-            after.append((separator, text))
+def place_cut(chunks, characters, val_fraction):
+    """Mark each chunk as training or validation text, and the chunk that holds the cut with its offset in it."""
+    cut, seen = int((1 - val_fraction) * sum(characters)), 0
+    for chunk, count in zip(chunks, characters):
+        chunk["characters"] = count
+        if seen + count <= cut or seen >= cut:
+            chunk["side"], chunk["cut"] = ("train" if seen + count <= cut else "val"), None
         else:
-            before.append((separator, text[:cut - seen]))
-            after.append((False, text[cut - seen:]))
-        seen += len(text)
-    return (save_tokens(encode(before), Path(work) / "split-train.bin"),
-            save_tokens(encode(after), Path(work) / "split-val.bin"))
+            chunk["side"], chunk["cut"] = "both", cut - seen
+        seen += count
+    return chunks
 
 
 class Progress:
-    def __init__(self, total_bytes, quiet, every=2.0):
+    def __init__(self, total_bytes, quiet, started, every=2.0):
         self.total, self.quiet, self.every = total_bytes, quiet, every
-        self.start = self.last = time.monotonic()
+        self.start, self.last = started, time.monotonic()
         self.done = self.tokens = 0
 
     def add(self, summary, force=False):  # force: the last chunk's line, always shown
@@ -205,6 +223,7 @@ def prepare(arguments, out, workers=None, val_fraction=0.1, chunk_mb=32, quiet=F
     out = Path(out)
     if out.exists() and not (out / DESCRIPTION).is_file() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not a prepared corpus: choose another --out (nothing was written)")
+    started = time.monotonic()  # the rates count the planning too
     sources = find_sources(arguments)
     total = sum(source["bytes"] for source in sources)
     if not workers:
@@ -214,7 +233,7 @@ def prepare(arguments, out, workers=None, val_fraction=0.1, chunk_mb=32, quiet=F
         chunk_bytes = min(chunk_bytes, max(1 << 20, total // (8 * workers)))
     settings = {"version": PLAN_VERSION, "tokenizer": TOKENIZER, "val_fraction": val_fraction,
                 "chunk_bytes": chunk_bytes, "sources": sources}
-    with locked(out) if lock else contextlib.nullcontext():
+    with locked(out) if lock else contextlib.nullcontext(), worker_pool(workers) as pool:
         work = out.with_name(out.name + ".partial")
         plan_path = work / "plan.json"
         if work.exists():
@@ -229,51 +248,73 @@ def prepare(arguments, out, workers=None, val_fraction=0.1, chunk_mb=32, quiet=F
                 shutil.rmtree(work)
         if not work.exists():
             chunks = plan_chunks(sources, chunk_bytes)
+            characters = run_jobs(count_chunk, [(n, sources[c["source"]], c) for n, c in enumerate(chunks)], pool)
+            if not sum(characters):
+                raise UsageError("the sources hold no text: nothing to train on")
             work.mkdir(parents=True)
+            chunks = place_cut(chunks, characters, val_fraction)
             write_atomically(plan_path, json.dumps({"settings": settings, "chunks": chunks}).encode())
         chunks = json.loads(plan_path.read_text(encoding="utf-8"))["chunks"]
-        return _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, quiet, command, total)
+        return _tokenize_and_assemble(sources, chunks, work, out, pool, workers, val_fraction, quiet, command, total,
+                                      started)
 
 
-def _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, quiet, command, total):
-    summaries, progress = {}, Progress(total, quiet)
+def worker_pool(workers):
+    """The worker processes, or None for one. Forked on Linux when PyTorch is not loaded (a second to start fewer);
+    else spawned: no fork of a process that may hold PyTorch's threads or a GPU."""
+    if workers <= 1:
+        return contextlib.nullcontext(None)
+    method = "fork" if sys.platform.startswith("linux") and "torch" not in sys.modules else "spawn"
+    return multiprocessing.get_context(method).Pool(workers)
+
+
+def run_jobs(function, jobs, pool, each=None):
+    """function(job) for every job, in the pool's processes if there is one; each(index, result) as results arrive
+    (in any order). Returns the results in the jobs' order."""
+    results = [None] * len(jobs)
+    if pool is not None and len(jobs) > 1:
+        for index, result in pool.imap_unordered(_indexed, [(function, i, job) for i, job in enumerate(jobs)]):
+            results[index] = result
+            if each:
+                each(index, result)
+    else:
+        for index, job in enumerate(jobs):
+            results[index] = function(job)
+            if each:
+                each(index, results[index])
+    return results
+
+
+def _indexed(item):
+    function, index, job = item
+    return index, function(job)
+
+
+def _tokenize_and_assemble(sources, chunks, work, out, pool, workers, val_fraction, quiet, command, total, started):
+    summaries, progress = {}, Progress(total, quiet, started)
     for number in range(len(chunks)):
         path = work / f"chunk-{number:06d}.json"
-        if path.is_file() and (work / f"chunk-{number:06d}.bin").is_file():
+        if path.is_file():  # written after the chunk's shards: they are whole
             summaries[number] = json.loads(path.read_text(encoding="utf-8"))
             progress.add(summaries[number])
     if summaries and not quiet:
         print(f"prepare: going on from an interrupted preparation: {len(summaries)} of {len(chunks)} chunks "
               "already done", flush=True)
-    single = None
-    if len(chunks) == 1 and not summaries:  # one chunk: tokenize it once, already cut at the split
-        single = documents(sources[chunks[0]["source"]], chunks[0], first_chunk=True)
-        summaries[0] = {"characters": sum(len(text) for _, text in single), "documents": len(single),
-                        "tokens": 0, "max_token": 0, "bytes": chunks[0]["end"] - chunks[0]["start"]}
     jobs = [(n, sources[c["source"]], c, str(work)) for n, c in enumerate(chunks) if n not in summaries]
     if not quiet:
         print(f"prepare: {len(sources)} source(s), {total / 1e6:,.1f} MB in {len(chunks)} chunk(s), "
               f"{min(workers, max(len(jobs), 1))} worker process(es)", flush=True)
     fail_after = int(os.environ.get(FAIL_HOOK, "0") or 0)
-    if workers > 1 and len(jobs) > 1:
-        context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or a GPU
-        with context.Pool(min(workers, len(jobs))) as pool:
-            for done, (number, summary) in enumerate(pool.imap_unordered(tokenize_chunk, jobs), 1):
-                summaries[number] = summary
-                progress.add(summary, force=done == len(jobs))
-                if fail_after and done >= fail_after:
-                    raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
-    else:
-        for done, job in enumerate(jobs, 1):
-            number, summary = tokenize_chunk(job)
-            summaries[number] = summary
-            progress.add(summary, force=done == len(jobs))
-            if fail_after and done >= fail_after:
-                raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
-    characters = sum(s["characters"] for s in summaries.values())
-    if not characters:
-        raise UsageError("the sources hold no text: nothing to train on")
-    description = assemble(sources, chunks, summaries, work, characters, val_fraction, single)
+
+    def finished(index, result):
+        number, summary = result
+        summaries[number] = summary
+        progress.add(summary, force=len(summaries) == len(chunks))
+        if fail_after and len(summaries) >= fail_after:
+            raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
+
+    run_jobs(tokenize_chunk, jobs, pool, finished)
+    description = assemble(sources, chunks, summaries, work, val_fraction)
     description["command"] = command
     description["prepared"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     write_atomically(work / DESCRIPTION, json.dumps(description, indent=1).encode())
@@ -288,33 +329,20 @@ def _tokenize_and_assemble(sources, chunks, work, out, workers, val_fraction, qu
     return description
 
 
-def assemble(sources, chunks, summaries, work, characters, val_fraction, single=None):
-    """Name the chunks' shards by split: those before the cut train, those after validate, and the chunk that holds
-    the cut is tokenized again as one shard of each (`single`: the documents of a plan of one chunk)."""
-    cut = int((1 - val_fraction) * characters)
-    train, val, seen = [], [], 0
-    for number, chunk in enumerate(chunks):
-        summary, path = summaries[number], work / f"chunk-{number:06d}.bin"
-        if seen + summary["characters"] <= cut or seen >= cut:  # wholly before the cut, or wholly after it
-            split, prefix = (train, "train") if seen + summary["characters"] <= cut else (val, "val")
-            name = f"{prefix}-{len(split):06d}.bin"
-            split.append({"file": name, "tokens": summary["tokens"], "max_token": summary["max_token"]})
-            os.replace(path, work / name)
-        else:
-            docs = single if single is not None else documents(sources[chunk["source"]], chunk, number == 0)
-            head, tail = split_docs(docs, cut - seen, work)
-            for part, split, prefix in ((head, train, "train"), (tail, val, "val")):
-                name = f"{prefix}-{len(split):06d}.bin"
-                split.append({"file": name, **part})
-                os.replace(work / f"split-{prefix}.bin", work / name)
-            path.unlink(missing_ok=True)
-        seen += summary["characters"]
+def assemble(sources, chunks, summaries, work, val_fraction):
+    """Name the chunks' shards by split and in order: train-000000.bin, ..., val-000000.bin, ..."""
+    splits = {"train": [], "val": []}
+    for number in range(len(chunks)):
+        for side, part in summaries[number]["parts"].items():
+            name = f"{side}-{len(splits[side]):06d}.bin"
+            os.replace(work / f"chunk-{number:06d}-{side}.bin", work / name)
+            splits[side].append({"file": name, **part})
     return {"format": FORMAT, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": DTYPE,
-            "endoftext": VOCAB_SIZE - 1, "val_fraction": val_fraction, "characters": characters,
+            "endoftext": VOCAB_SIZE - 1, "val_fraction": val_fraction,
+            "characters": sum(chunk["characters"] for chunk in chunks),
             "documents": sum(s["documents"] for s in summaries.values()),
-            "tokens": {"train": sum(s["tokens"] for s in train), "val": sum(s["tokens"] for s in val)},
-            "sources": [{"path": s["path"], "kind": s["kind"], "bytes": s["bytes"]} for s in sources],
-            "train": train, "val": val}
+            "tokens": {side: sum(shard["tokens"] for shard in shards) for side, shards in splits.items()},
+            "sources": [{"path": s["path"], "kind": s["kind"], "bytes": s["bytes"]} for s in sources], **splits}
 
 
 def swap_in(work, out):

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from data.corpus import CORPORA, UsageError, cache_folder, cached_text_path, check_text_source
 
@@ -73,6 +72,8 @@ class TokenShards:
         if self.read_log:
             with open(self.read_log, "a", encoding="utf-8") as log:
                 log.write(f"{os.environ.get('RANK', '0')} {self.split} {start} {stop}\n")
+        import torch  # here, not above: `python -m data.prepare` and its workers need no PyTorch
+
         return torch.from_numpy(window.astype(np.int64))
 
 
