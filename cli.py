@@ -89,8 +89,9 @@ def build_parser(description, settings, tiny_settings):
         return f"default: {settings[key]}; {tiny_settings[key]} with --tiny"
 
     parser.add_argument("--data", metavar="NAME_OR_PATH",
-                        help="'shakespeare' (shipped, offline), 'middlemarch' (downloaded once and cached) or the "
-                             "path of a UTF-8 text file (default: shakespeare)")
+                        help="'shakespeare' (shipped, offline), 'middlemarch' (downloaded once and cached), the "
+                             "path of a UTF-8 text file (both tokenized once into the cache) or a folder prepared "
+                             "by python -m data.prepare (default: shakespeare)")
     parser.add_argument("--tiny", action="store_true", default=None,
                         help="a small model and batch for CPUs and tests: a few dozen steps take seconds")
     parser.add_argument("--epochs", type=_positive_int, help=f"epochs over the training split ({default('num_epochs')})")

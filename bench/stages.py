@@ -39,15 +39,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the plumbing modules and bench.ladder, wherever the script is started from
+    sys.path.insert(0, str(ROOT))  # the plumbing modules and bench, wherever the script is started from
 
 import checkpoints  # noqa: E402  (needs the path above)
 import cli  # noqa: E402
 import devices
 import failures
 import timekeeping
-from bench.ladder import (MISSING, Stopped, describe_device, drop_checkpoints, failure_from_output,  # noqa: E402
-                          git_revision, nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
+from bench.ladder import MISSING  # noqa: E402
+from bench.runner import (Stopped, describe_device, drop_checkpoints, failure_from_output, git_revision,  # noqa: E402
+                          nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
 
 TORCHRUN_ONE_PROCESS = ("torchrun", "--standalone", "--nproc_per_node=1")
 # name: (what the user types after python or torchrun, the flags of this run, whose compile cache it uses)

@@ -229,13 +229,13 @@ def test_the_memory_model_keeps_the_gradients_between_micro_batches():
 def test_the_ladders_option_runs_the_stage_scripts_with_accumulation():
     from argparse import Namespace
 
-    from bench import ladder, rungs
+    from bench import rungs, runner
 
     stage = rungs.load_stage("02_opt_multi_gpu_ddp.py")
     args = Namespace(data="shakespeare", device="cpu", seed=1, model="gpt2-small", tiny=True, batch_size=None,
                      option=["grad-accum"])
-    flags = ladder.script_flags(args, "out", 10, 2, stage)
+    flags = runner.script_flags(args, "out", 10, 2, stage)
     assert flags[flags.index("--grad-accum-steps") + 1] == rungs.ACCUMULATION_STEPS
     assert flags[flags.index("--batch-size") + 1] == 4 // rungs.ACCUMULATION_STEPS  # the tiny batch of 4, split
     args.option = []
-    assert "--grad-accum-steps" not in ladder.script_flags(args, "out", 10, 2, stage)
+    assert "--grad-accum-steps" not in runner.script_flags(args, "out", 10, 2, stage)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import devices
 import failures
-from bench import ladder, report, rungs
+from bench import ladder, report, rungs, runner
 from conftest import ROOT, process_alive, run_script, wait_for
 
 CPU = torch.device("cpu")
@@ -187,10 +187,10 @@ def test_batch_size_overrides_a_rung_and_its_row_says_so():
 def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
     args = argparse.Namespace(data="shakespeare", device="cpu", seed=1, model="gpt2-medium", tiny=False,
                               batch_size=8, warmup=1, steps=2, windows=2, option=["max-autotune"])
-    flags = list(map(str, ladder.script_flags(args, tmp_path / "run", max_steps=4, window=1)))
+    flags = list(map(str, runner.script_flags(args, tmp_path / "run", max_steps=4, window=1)))
     assert flags[flags.index("--model") + 1] == "gpt2-medium" and flags[flags.index("--batch-size") + 1] == "8"
     assert flags[flags.index("--out") + 1] == str(tmp_path / "run")
-    worker = list(map(str, ladder.worker_command(args, "--run-rung", 3)))
+    worker = list(map(str, runner.worker_command(args, "--run-rung", 3)))
     assert worker[worker.index("--model") + 1] == "gpt2-medium" and worker[worker.index("--batch-size") + 1] == "8"
     assert worker[worker.index("--option") + 1] == "max-autotune"  # each rung's process switches it on itself
 
@@ -198,7 +198,7 @@ def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
 def test_a_missing_stage_script_is_a_failed_row(tmp_path, monkeypatch):
     monkeypatch.setitem(rungs.MULTI_PROCESS_RUNGS, 12, "03_not_written_yet.py")
     args = argparse.Namespace(tiny=True, batch_size=None)
-    row = ladder.run_multi_process_rung(12, args, {"device_type": "cpu", "gpu_count": 0}, tmp_path, 60)
+    row = runner.run_multi_process_rung(12, args, {"device_type": "cpu", "gpu_count": 0}, tmp_path, 60)
     assert row["rung"] == 12 and row["error"] == "03_not_written_yet.py does not exist (yet)"
     assert "does not exist" in (tmp_path / "rung-12.log").read_text()
     assert rungs.CHANGES[12] == "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py" and 12 in report.SHORT_NAMES
@@ -208,10 +208,10 @@ def test_a_failed_scripts_row_quotes_its_error_not_torchruns_summary():
     torchrun_tail = ["Traceback (most recent call last):", "torch.OutOfMemoryError: CUDA out of memory.",
                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60,
                      "  exitcode  : 1 (pid: 17337)", "=" * 60]
-    quoted = ladder.failure_from_output(1, torchrun_tail, 60)
+    quoted = runner.failure_from_output(1, torchrun_tail, 60)
     assert quoted == "exited with code 1: torch.OutOfMemoryError: CUDA out of memory."
-    assert ladder.failure_from_output(2, ["Data: ...", "error: no such file", "-" * 60], 60).endswith("no such file")
-    assert ladder.failure_from_output(None, [], 60) == "timed out after 60 s (--rung-timeout)"
+    assert runner.failure_from_output(2, ["Data: ...", "error: no such file", "-" * 60], 60).endswith("no such file")
+    assert runner.failure_from_output(None, [], 60) == "timed out after 60 s (--rung-timeout)"
 
 
 def test_a_script_run_keeps_no_checkpoint(tmp_path):
@@ -219,7 +219,7 @@ def test_a_script_run_keeps_no_checkpoint(tmp_path):
         (tmp_path / name).write_text("x")
     (tmp_path / "model.pth.state").mkdir()  # a sharded training state beside the checkpoint
     (tmp_path / "model.pth.state" / "shard-0").write_text("x")
-    ladder.drop_checkpoints(tmp_path)
+    runner.drop_checkpoints(tmp_path)
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["loss.png", "metrics.json"]
 
 
@@ -239,15 +239,15 @@ def test_rung_selection_parsing():
 
 def test_script_schedule_drops_the_warm_up_intervals():
     # 30 steps in 5 windows after 10 warm-up steps: intervals of 6, the first measured one ends at step 18
-    assert ladder.script_schedule(10, 30, 5) == (6, [18, 24, 30, 36, 42], 43)
-    assert ladder.script_schedule(1, 2, 5) == (1, [1, 2], 3)  # step 0 alone is always the warm-up
+    assert runner.script_schedule(10, 30, 5) == (6, [18, 24, 30, 36, 42], 43)
+    assert runner.script_schedule(1, 2, 5) == (1, [1, 2], 3)  # step 0 alone is always the warm-up
 
 
 def test_windows_leave_out_epoch_boundaries_in_scripts_and_composed_rungs():
     # 01 at batch 32 on Shakespeare: 42 steps per epoch; the interval 37..42 holds epoch 2's first step
-    assert ladder.script_schedule(10, 30, 5, steps_per_epoch=42) == (6, [18, 24, 30, 36, 48], 49)
+    assert runner.script_schedule(10, 30, 5, steps_per_epoch=42) == (6, [18, 24, 30, 36, 48], 49)
     # epochs shorter than a window (8 GPUs: 5 steps): nothing to avoid, every window crosses one
-    assert ladder.script_schedule(10, 30, 5, steps_per_epoch=5) == (6, [18, 24, 30, 36, 42], 43)
+    assert runner.script_schedule(10, 30, 5, steps_per_epoch=5) == (6, [18, 24, 30, 36, 42], 43)
     assert rungs.crosses_epoch(37, 42, 42) and not rungs.crosses_epoch(31, 36, 42)
     assert not rungs.crosses_epoch(0, 5, 6) and rungs.crosses_epoch(1, 6, 6)  # step 0 starts the run itself
 
@@ -680,7 +680,7 @@ def test_rung_11_writes_into_the_results_folder_and_keeps_no_checkpoint(tiny_lad
     _, _, out, _, merged = tiny_ladder
     run_folder = out / "logs" / "rung-11-run"
     assert {row["rung"]: row for row in merged["rungs"]}[11]["run_folder"] == "logs/rung-11-run"
-    assert sorted(path.name for path in run_folder.iterdir()) == sorted(ladder.KEPT_FROM_SCRIPT_RUNS)
+    assert sorted(path.name for path in run_folder.iterdir()) == sorted(runner.KEPT_FROM_SCRIPT_RUNS)
     assert json.loads((run_folder / "metrics.json").read_text())["settings"]["batch_size"] == 2
 
 
@@ -718,7 +718,7 @@ def fake_clock(monkeypatch):
     """run_ladder on a fake clock and a fake CPU, without a chart: the rungs and checks are the test's fakes."""
     clock = FakeClock()
     monkeypatch.setattr(ladder, "time", clock)
-    monkeypatch.setattr(ladder, "describe_device", lambda args: {
+    monkeypatch.setattr(runner, "describe_device", lambda args: {
         "device_type": "cpu", "description": "CPU (fake)", "name": "fake cpu", "slug": "fake-cpu", "gpu_count": 0,
         "cuda": None, "torch": torch.__version__, "python": "3.11"})
     monkeypatch.setattr(ladder.report, "plot_ladder", lambda report, path: None)
@@ -739,14 +739,14 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
 
     checked = []
 
-    def fake_check(script_name, rung, args, device_info, logs, rows, deadline):
+    def fake_check(script_name, rung, args, device_info, logs, rows, timeout):
         clock.now += 105.0
         checked.append(sorted(row["rung"] for row in rows))
         return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
                 "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
 
-    monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
-    monkeypatch.setattr(ladder, "run_script_check", fake_check)
+    monkeypatch.setattr(runner, "run_single_process_rung", fake_rung)
+    monkeypatch.setattr(runner, "run_script_check", fake_check)
     out = tmp_path / "out"
     flags = ["--tiny", "--check-scripts", "--time-limit", "400", "--out", str(out)]
     assert ladder.main(["--rungs", "0-10", *flags]) == 0
@@ -777,12 +777,12 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
         timeouts.append((number, timeout, limit))
         if number == 2:  # stopped by run_streaming at its timeout
             fake_clock.now += timeout
-            return {"rung": number, **ladder.timed_out(timeout, limit)}
+            return {"rung": number, **runner.timed_out(timeout, limit)}
         fake_clock.now += 60.0
         return {"rung": number, "error": None, "tokens_per_sec": 1000.0, "tokens_per_sec_min": 990.0,
                 "tokens_per_sec_max": 1010.0, "batch_size": 4, "notes": []}
 
-    monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
+    monkeypatch.setattr(runner, "run_single_process_rung", fake_rung)
     out = tmp_path / "out"
     flags = ["--tiny", "--time-limit", "400", "--out", str(out)]
     assert ladder.main(["--rungs", "0-4", *flags]) == 0
@@ -804,18 +804,18 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert ladder.main(["--rungs", "0", "--tiny", "--out", str(out)]) == 0
     assert timeouts == [(0, 900, "--rung-timeout")]
 
-    def hanging_check(script_name, rung, args, device_info, logs, rows, deadline):  # checks can outlast it too
+    def hanging_check(script_name, rung, args, device_info, logs, rows, timeout_and_limit):  # checks can outlast it
         checks_run.append(script_name)
         if script_name == "00_orig.py" and hang == "00":
             fake_clock.now += 60.0
             return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
                     "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
-        timeout, limit = ladder.run_timeout(args, deadline)
+        timeout, limit = timeout_and_limit
         fake_clock.now += timeout
         return {"script": script_name, "rung": rung, "tokens_per_sec": None, "tokens_per_sec_min": None,
-                "tokens_per_sec_max": None, "peak_reserved_gb": None, **ladder.timed_out(timeout, limit)}
+                "tokens_per_sec_max": None, "peak_reserved_gb": None, **runner.timed_out(timeout, limit)}
 
-    monkeypatch.setattr(ladder, "run_script_check", hanging_check)
+    monkeypatch.setattr(runner, "run_script_check", hanging_check)
     fake_clock.now, hang, checks_run = 0.0, "00 and 01", []
     assert ladder.main(["--rungs", "0", "--check-scripts", *flags]) == 0
     printed = capsys.readouterr().out
@@ -860,15 +860,15 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
         fake_clock.now += 100.0
         return measured(number)
 
-    def fake_check(script_name, rung, args, device_info, logs, rows, deadline):
+    def fake_check(script_name, rung, args, device_info, logs, rows, timeout):
         ran.append(script_name)
         fake_clock.now += 150.0
         return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
                 "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
 
-    monkeypatch.setattr(ladder, "run_single_process_rung", fake_rung)
-    monkeypatch.setattr(ladder, "run_multi_process_rung", fake_script_rung)
-    monkeypatch.setattr(ladder, "run_script_check", fake_check)
+    monkeypatch.setattr(runner, "run_single_process_rung", fake_rung)
+    monkeypatch.setattr(runner, "run_multi_process_rung", fake_script_rung)
+    monkeypatch.setattr(runner, "run_script_check", fake_check)
     out = tmp_path / "out"
     command = ["--rungs", "missing", "--tiny", "--check-scripts", "--time-limit", "400", "--out", str(out)]
     codes, printed = [], []
@@ -912,9 +912,9 @@ def test_stopping_a_run_stops_the_workers_its_launcher_started_in_sessions_of_th
                                start_new_session=True)
     worker_pid = int(process.stdout.readline())
     try:
-        assert ladder.descendants(process.pid) == [worker_pid]
+        assert runner.descendants(process.pid) == [worker_pid]
         started = time.monotonic()
-        ladder.stop_process_group(process, grace=0.5)
+        runner.stop_process_group(process, grace=0.5)
         assert process.poll() is not None and time.monotonic() - started < 5
         assert wait_for(lambda: not process_alive(worker_pid), 5, 0.05), "the worker outlived the stopped launcher"
     finally:
@@ -928,7 +928,7 @@ def test_a_run_does_not_outlive_a_ladder_killed_outright(tmp_path):
     """A run leads its own session, so that the ladder can stop it with everything it started; a time limit that
     kills the ladder's process group (SIGKILL, no handler runs) would then miss it, and it would go on holding the
     GPU under the next command's measurements. The parent-death signal ends it with the ladder."""
-    program = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.ladder import run_streaming; "
+    program = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.runner import run_streaming; "
                f"run_streaming([sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); "
                f"time.sleep(120)'], {str(tmp_path / 'run.log')!r}, 300)")
     ladder_process = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import devices
-from bench.ladder import parent_death_signal, stop_process_group
+from bench.runner import parent_death_signal, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_ONE_PROCESS = [sys.executable, *devices.SINGLE_NODE_TORCHRUN, "--nproc_per_node=1"]
