@@ -110,6 +110,22 @@ def test_folders_and_jsonl_documents_are_joined_with_endoftext(tmp_path, encode)
     assert description["val_fraction"] == 0.2 and 0 < len(corpus.val) < len(corpus.train)
 
 
+def test_json_lines_cut_into_many_chunks_give_the_tokens_of_one(tmp_path, play_text):
+    text = play_text.replace("<|endoftext|>", "")  # no separator of its own: the count below is prepare's
+    lines = [json.dumps({"text": text[i:i + 700]}) for i in range(0, 140_000, 700)]  # 200 documents
+    source = write(tmp_path / "dump.jsonl", "\n".join(lines) + "\n")
+    many = prepare([source], tmp_path / "many", workers=1, chunk_mb=0.01)  # about 10 kB a chunk
+    one = prepare([source], tmp_path / "one", workers=1)
+    assert len(many["train"]) > 10 and len(one["train"]) == 1
+    assert many["documents"] == one["documents"] == 200
+    for split in ("train", "val"):
+        assert stream(getattr(open_prepared(tmp_path / "many"), split)) == stream(
+            getattr(open_prepared(tmp_path / "one"), split))
+    # 180 documents train, 20 validate (the cut falls between two): 179 separators, and the next one validates
+    assert stream(open_prepared(tmp_path / "one").train).count(EOT) == 179
+    assert stream(open_prepared(tmp_path / "one").val)[0] == EOT
+
+
 def test_the_command_line_prepares_and_a_stage_trains_on_the_folder(tmp_path, play_text):
     source = write(tmp_path / "plays.txt", play_text)
     out = tmp_path / "prepared"
