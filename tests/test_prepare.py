@@ -28,6 +28,12 @@ def play_text():
 
 
 @pytest.fixture(scope="module")
+def stage01():
+    from conftest import load_stage
+    return load_stage("01_opt_single_gpu.py")
+
+
+@pytest.fixture(scope="module")
 def encode():
     tokenizer = get_tokenizer()
     return lambda text: tokenizer.encode(text, allowed_special={"<|endoftext|>"})
@@ -282,22 +288,38 @@ def run_stage(tmp_path, *flags):
                            "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_a_stage_refuses_a_damaged_folder_or_a_too_short_split_in_one_line(prepared, tmp_path):
+def test_a_stage_refuses_a_damaged_folder_in_one_line(prepared, tmp_path):
     shard = prepared / "val-000000.bin"
     shard.write_bytes(shard.read_bytes()[:10])
     result = run_stage(tmp_path, "--data", prepared, "--max-steps", 1)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout + result.stderr
     assert result.stderr.strip().count("\n") == 0 and "cut short" in result.stderr, result.stderr
-    # a corpus too short for one batch, and a validation split shorter than one window (64 + 1 tokens)
+
+
+def test_splits_too_short_for_a_step_or_a_window_are_refused(tmp_path, stage01):
+    """What the stages check on a prepared folder's windows (cli.check_splits, exit code 2 through the stages'
+    error handling, as tests/test_cli_00.py shows for text files): a training split shorter than one optimizer
+    step of --tiny's batch of 4, a validation split shorter than one window of 64 + 1 tokens."""
+    import argparse
+
+    import cli
+
+    def windows(folder):
+        corpus, context = open_prepared(folder), stage01.TINY_CONFIG["context_length"]
+        return (len(stage01.SlidingWindowDataset(corpus.train, context, context)),
+                len(stage01.SlidingWindowDataset(corpus.val, context, context)), context)
+
+    args = argparse.Namespace(data="DIR", batch_size=4, grad_accum_steps=1)
     short = write(tmp_path / "short.txt", "Too few words for a batch of four windows of sixty-four tokens.\n" * 6)
     prepare([short], tmp_path / "short", workers=1)
-    result = run_stage(tmp_path, "--data", tmp_path / "short", "--max-steps", 1)
-    assert result.returncode == 2 and "fewer than one optimizer step" in result.stderr, result.stderr
+    with pytest.raises(UsageError, match="fewer than one optimizer step"):
+        cli.check_splits(args, *windows(tmp_path / "short"))
     prepare([write(tmp_path / "mid.txt", load_text("shakespeare")[:8_000])], tmp_path / "mid", workers=1,
             val_fraction=0.01)
-    result = run_stage(tmp_path, "--data", tmp_path / "mid", "--max-steps", 1)
-    assert result.returncode == 2 and "validation split" in result.stderr and "--val-fraction" in result.stderr, (
-        result.stderr)
+    train, val, context = windows(tmp_path / "mid")
+    assert train >= 4 and val == 0
+    with pytest.raises(UsageError, match="validation split .* --val-fraction"):
+        cli.check_splits(args, train, val, context)
 
 
 def test_shards_pickle_without_their_maps(prepared):
