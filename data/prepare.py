@@ -34,7 +34,7 @@ from data.corpus import ENDOFTEXT, UsageError
 from data.files import save_atomically, write_atomically
 from data.shards import DESCRIPTION, DTYPE, FORMAT, TOKENIZER, VOCAB_SIZE, locked
 
-TEXT_SUFFIXES = {".txt", ".text", ".md"}
+TEXT_SUFFIXES = {".txt"}
 JSONL_SUFFIXES = {".jsonl"}
 PLAN_VERSION = 1
 # a chunk may end after a line break with a visible ASCII character on each side: the tokenizer splits there
@@ -71,15 +71,13 @@ def plan_chunks(sources, chunk_bytes):
         with open(source["path"], "rb") as handle:
             while start < size or (start == 0 and size == 0):
                 end = min(size, start + chunk_bytes)
-                if end < size:
-                    handle.seek(end)
+                if end < size:  # move the end forward to the next place a chunk may end
+                    handle.seek(end - 1)
                     ahead = handle.read(1 << 20)
                     if source["kind"] == "jsonl":
                         newline = ahead.find(b"\n")
-                        end = size if newline < 0 else end + newline + 1
+                        end = size if newline < 0 else end + newline
                     else:
-                        handle.seek(end - 1)
-                        ahead = handle.read(1 << 20)
                         match = SAFE_CUT.search(ahead)
                         end = size if match is None else end - 1 + match.end()
                 chunks.append({"source": number, "start": start, "end": end})
@@ -144,11 +142,11 @@ def encode(docs):
 
 
 def save_tokens(ids, path):
-    array = np.asarray(ids, dtype=np.uint16) if ids else np.zeros(0, dtype=np.uint16)
-    if ids and max(ids) >= 1 << 16:
-        raise UsageError(f"token id {max(ids)} does not fit in {DTYPE}")
-    save_atomically(lambda tmp: array.astype("<u2").tofile(tmp), path)
-    return {"tokens": len(ids), "max_token": max(ids) if ids else 0}
+    top = max(ids, default=0)
+    if top >= 1 << 16:
+        raise UsageError(f"token id {top} does not fit in {DTYPE}")
+    save_atomically(lambda tmp: np.asarray(ids, dtype="<u2").tofile(tmp), path)
+    return {"tokens": len(ids), "max_token": top}
 
 
 def count_chunk(job):
