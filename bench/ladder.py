@@ -8,11 +8,12 @@ seed and batch order: a few warm-up steps (not timed), then the measured steps i
 --out: ladder.md (the table), ladder.json (the numbers), ladder.png (two charts) and logs/ (each rung's raw
 output and result; rungs 11 and 12 also their run folder, without its checkpoint).
 
-A ladder can be measured in parts into one --out folder: each part's rows join the table there, a rung
-measured again replaces its row, and every row says when it was measured. A part measured on another device,
-with another PyTorch or with other settings (--model, --tiny, --batch-size, --data, --seed, --warmup, --steps,
---windows) is refused with exit code 2, and nothing is written. The table is written again after every rung,
-so a part that is stopped keeps the rungs it finished.
+Each rung's measurement is one file of --out's rows/ folder (bench/rows.py), written as the rung ends, and the
+table, numbers and chart are rendered again from the rows present. So a ladder can be measured in parts into one
+folder: a part's rows join the others, a rung measured again replaces its row, a rung without a row is what
+--rungs missing measures, and every row says when, where and by which command it was measured. A part measured on
+another device, with another PyTorch or with other settings (--model, --tiny, --batch-size, --data, --seed, --warmup,
+--steps, --windows, --option) is refused with exit code 2, and nothing is written.
 
   python bench/ladder.py --rungs 0-5          # a part; then --rungs 6-12 into the same folder
   python bench/ladder.py --tiny               # every rung, tiny model: a few minutes on a CPU
@@ -37,7 +38,6 @@ to check that a failure is reported on its row while the other rungs still run.
 """
 
 import argparse
-import math
 import re
 import shlex
 import statistics
@@ -52,7 +52,8 @@ if str(ROOT) not in sys.path:
 import cli  # noqa: E402  (needs the path above; imports no torch)
 import failures
 import timekeeping
-from bench import report, runner  # noqa: E402
+from bench import plan, report, rows, runner  # noqa: E402
+from bench.rows import MISSING  # noqa: E402
 
 FULL_DEFAULTS = {"warmup": 10, "steps": 30, "windows": 5}
 TINY_DEFAULTS = {"warmup": 2, "steps": 10, "windows": 5}
@@ -61,12 +62,9 @@ TINY_DEFAULTS = {"warmup": 2, "steps": 10, "windows": 5}
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-MISSING = "missing"  # --rungs missing: what the results folder lacks, known once the folder is
-
-
 def parse_rungs(text):
     """'all', '0,8,10' or ranges like '0-7,10' -> a sorted list of rung numbers; 'none' -> [] (--check-scripts
-    alone); 'missing' -> MISSING, resolved against the results folder by missing_rungs()."""
+    alone); 'missing' -> MISSING, resolved against the results folder's rows by plan.jobs()."""
     from bench.rungs import ALL_RUNGS
 
     if text.strip() == "all":
@@ -153,7 +151,7 @@ def resolve_defaults(args):
     composed_only = bool(set(args.option) - SCRIPT_OPTIONS)  # an option the stage scripts (rungs 11-12) lack
     if args.rungs is None:
         args.rungs = parse_rungs("0-10" if composed_only else "all")
-    named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with such an option (missing_rungs)
+    named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with such an option (plan.jobs)
     if composed_only and any(number >= 11 for number in named) and args.run_rung is None:
         raise failures.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
                                 "as they are; of the options they take only grad-accum): add --rungs 0-10, or a "
@@ -174,107 +172,8 @@ def resolve_defaults(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning: which rungs, and whether the next one fits --time-limit
+# The command: plan, run each job into its row, render the table from the rows
 # ---------------------------------------------------------------------------------------------
-
-def script_checks():
-    """--check-scripts: (script, the rung it is set beside): 00 and 01 as they are, beside rungs 0 and 10."""
-    from bench.rungs import STAGE_00, STAGE_01
-
-    return ((STAGE_00, 0), (STAGE_01, 10))
-
-
-def checked_scripts(existing):
-    """The scripts whose --check-scripts run the folder's report `existing` (or None) holds."""
-    return {check["script"] for check in (existing or {}).get("script_checks", [])}
-
-
-def missing_rungs(args, existing):
-    """--rungs missing: (the rungs, whether the --check-scripts runs are left) that `existing`, the folder's report,
-    lacks. A rung is missing without a row, or with the row of a rung stopped by Ctrl-C; a failed rung (or script
-    check) keeps its row (name it to measure it again). The composed rungs only with --option, as --rungs all
-    would. The script checks left are those of the scripts the folder has no check of."""
-    from bench.rungs import ALL_RUNGS
-
-    existing = existing or {}
-    measured = {row["rung"] for row in existing.get("rungs", []) if row.get("error") != report.INTERRUPTED}
-    from bench.rungs import SCRIPT_OPTIONS
-
-    composed_only = bool(set(args.option) - SCRIPT_OPTIONS)
-    candidates = [number for number in ALL_RUNGS if not (composed_only and number >= 11)]
-    checked = checked_scripts(existing)
-    checks_left = args.check_scripts and any(script not in checked for script, _ in script_checks())
-    return [number for number in candidates if number not in measured], checks_left
-
-
-def rung_kind(number):
-    """Rungs of one kind take about as long as each other: eager (0-7), compiled (8-10: compilation first), stage
-    scripts under torchrun (11-12: start-up, evaluation, a sample and a checkpoint besides)."""
-    return "eager" if number <= 7 else "compiled" if number <= 10 else "scripts"
-
-
-def expected_seconds(kinds, seconds_by_kind):
-    """How long runs of `kinds` (one entry per run) should take, judged by the rungs this part has run: the longest
-    of the same kind, or twice the longest of any kind where none of that kind has run yet (compilation and
-    torchrun's start-up make the later kinds the slower ones). None before the part's first rung."""
-    if not seconds_by_kind:
-        return None
-    longest = max(max(seconds) for seconds in seconds_by_kind.values())
-    return sum(max(seconds_by_kind[kind]) if kind in seconds_by_kind else 2 * longest for kind in kinds)
-
-
-def past_the_limit(args, elapsed, expected):
-    """Whether runs expected to take `expected` seconds, started `elapsed` seconds into the part, would end after
-    --time-limit (never before the part's first rung, when nothing says how long a rung takes)."""
-    return bool(args.time_limit and expected is not None and elapsed + expected > args.time_limit)
-
-
-def run_timeout(args, deadline):
-    """(seconds, the flag that sets them) for the next run: --rung-timeout, or what is left before --time-limit's
-    deadline where that is less. A rung that outlasts the judgement is then stopped by the ladder itself, which ends
-    the part in order, its rows and the command for the rest printed, rather than by whatever enforces the limit."""
-    if deadline is None:
-        return args.rung_timeout, "--rung-timeout"
-    left = max(1, math.floor(deadline - time.monotonic()))
-    return (left, "--time-limit") if left < args.rung_timeout else (args.rung_timeout, "--rung-timeout")
-
-
-def cut_at_the_limit(result):
-    """Whether a run (a rung's row, a script check) was stopped at --time-limit's deadline."""
-    return result.pop("timed_out", None) == "--time-limit"
-
-
-def rungs_named(numbers):
-    return f"rung{'s' if len(numbers) > 1 else ''} {report.rung_ranges(numbers)}"
-
-
-def cli_rungs(numbers):
-    """Rung numbers as --rungs takes them: [0, 1, 2, 5] -> '0-2,5'; [] -> 'none'."""
-    return report.rung_ranges(numbers, dash="-", separator=",") or "none"
-
-
-def continuation_command(argv, rungs, check_scripts):
-    """The command that measures what --time-limit left of this part: its own flags (argv, without the script's
-    name), with --rungs set to the rungs left and --check-scripts kept only where those runs are left too; with
-    --rungs missing, the part's own command again."""
-    if any(arg == f"--rungs={MISSING}" or arg == MISSING and before == "--rungs" for before, arg in zip(
-            ["", *argv], argv)):
-        return shlex.join(["python", "bench/ladder.py", *argv])
-    kept, skip_value = [], False
-    for arg in argv:
-        if skip_value:
-            skip_value = False
-        elif arg == "--rungs":
-            skip_value = True
-        elif not (arg.startswith("--rungs=") or arg == "--check-scripts" and not check_scripts):
-            kept.append(arg)
-    return shlex.join(["python", "bench/ladder.py", "--rungs", cli_rungs(rungs), *kept])
-
-
-def format_duration(seconds):
-    seconds = int(round(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
-
 
 def results_folder(args, device_info):
     if args.out:
@@ -284,25 +183,39 @@ def results_folder(args, device_info):
     return ROOT / "bench" / "results" / name
 
 
-def new_part(args, device_info, started_at):
-    """The report of this part alone, before its first rung: what it runs on, with which settings, and since when."""
+def context_of(args, device_info):
+    """What every row of this command carries: where and how it was measured, and by which command."""
     return {
         "device": device_info["description"], "device_name": device_info["name"],
         "gpu_count": device_info["gpu_count"], "driver": runner.nvidia_driver(), "cuda": device_info["cuda"],
-        "torch": device_info["torch"], "python": device_info["python"], "date": started_at,
+        "torch": device_info["torch"], "python": device_info["python"],
         "settings": {"tiny": args.tiny, "model": args.model, "batch_size": args.batch_size, "data": args.data,
                      "seed": args.seed, "warmup_steps": args.warmup, "steps": args.steps,
                      "windows": min(args.windows, args.steps), "device": args.device,
                      "options": ",".join(sorted(args.option)) or None},
-        "reference_source": report.REFERENCE_SOURCE,
-        "parts": [{"started_at": started_at, "command": shlex.join(["python", "bench/ladder.py", *args.argv]),
-                   "git": runner.git_revision(), "rungs": list(args.rungs), "seconds": 0}],
-        "rungs": [],
+        "command": {"started_at": report.timestamp(), "command": shlex.join(["python", "bench/ladder.py", *args.argv]),
+                    "git": runner.git_revision()},
     }
 
 
+def measure(job, args, device_info, logs, timeout):
+    """Run one job (a rung, or a --check-scripts run) and return its result, not yet a row."""
+    if job.script:
+        return runner.run_script_check(job.script, job.rung, args, device_info, logs, timeout)
+    if job.rung >= 11:
+        return runner.run_multi_process_rung(job.rung, args, device_info, logs, *timeout)
+    return runner.run_single_process_rung(job.rung, args, logs, *timeout)
+
+
+def as_row(job, result, seconds, context):
+    if job.script:
+        log = f"logs/script-{Path(job.script).stem}.log"
+        return {**result, "seconds": round(seconds, 1), "measured_at": report.timestamp(), "log": log,
+                "context": context}
+    return report.complete_row(result, seconds, f"logs/{job.name}.log", context)
+
+
 def run_ladder(args):
-    from bench.rungs import CHANGES
     from data import load_corpus
 
     # --time-limit counts from the command's start: importing torch came before this line, and the device query
@@ -313,130 +226,81 @@ def run_ladder(args):
     device_info = runner.describe_device(args)
     args.device = device_info["device_type"]  # every rung and script on the device resolved once, here
     out = results_folder(args, device_info)
-    existing = report.read_report(out / "ladder.json")
-    missing, checks_asked = args.rungs == MISSING, args.check_scripts
-    if missing:
-        args.rungs, args.check_scripts = missing_rungs(args, existing)
-    part = new_part(args, device_info, report.timestamp())
-    # Every check that can refuse this part comes before anything in the folder is written.
-    if existing:
-        report.refuse_a_different_part(existing, part, out / "ladder.json")
-    if missing and not args.rungs and not args.check_scripts:
-        print(f"--rungs missing: nothing left to measure: {out / 'ladder.json'} holds every rung"
-              + (" and every --check-scripts run" if checks_asked else ""), flush=True)
+    context = context_of(args, device_info)
+    # Every check that can refuse this command comes before anything in the folder is written.
+    found = report.read_folder(out)
+    rows.refuse_a_different_part(found, context, report.MATCHED, out, "rungs")
+    missing = args.rungs == MISSING
+    planned = plan.jobs(args, found, missing)
+    if not planned:
+        print(f"--rungs missing: nothing left to measure: {out / rows.FOLDER} holds every rung"
+              + (" and every --check-scripts run" if args.check_scripts else ""), flush=True)
         return failures.EXIT_OK
-    roofline = report.find_roofline(out, args.roofline, device_info["name"], part["settings"])
+    roofline = report.find_roofline(out, args.roofline, device_info["name"], context["settings"])
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise failures.UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
     runner.stop_on_signals()
+    rungs_there = [row["rung"] for name, row in found.items() if name.startswith("rung-")]
+    print(f"Ladder: {plan.describe_left(planned)} on {device_info['description']} | torch {device_info['torch']} | "
+          f"{report.describe_model(context['settings'])} | {args.warmup} warm-up + {args.steps} measured steps per "
+          f"rung{' | --tiny' if args.tiny else ''} | out: {out}"
+          + (f" (beside its rows of rungs {report.rung_ranges(rungs_there)})" if rungs_there else ""), flush=True)
 
-    print(f"Ladder: rungs {report.rung_ranges(args.rungs) or 'none'} on {device_info['description']} | torch "
-          f"{device_info['torch']} | {report.describe_model(part['settings'])} | {args.warmup} warm-up + "
-          f"{args.steps} measured steps per rung{' | --tiny' if args.tiny else ''} | out: {out}"
-          + (f" (merged with its rungs {report.rung_ranges(row['rung'] for row in existing['rungs'])})"
-             if existing else ""), flush=True)
-
-    rows, durations, stopped = part["rungs"], [], None
-    seconds_by_kind, not_started, checks_left = {}, [], False  # for --time-limit
-    merged = None
-    for index, number in enumerate(args.rungs, start=1):
+    done, durations, seconds_by_kind, left, stopped = [], [], {}, [], None
+    for index, job in enumerate(planned, start=1):
         elapsed = time.monotonic() - clock_start
-        expected = expected_seconds([rung_kind(number)], seconds_by_kind)
-        if past_the_limit(args, elapsed, expected):
-            not_started = args.rungs[index - 1:]
-            print(f"--time-limit {args.time_limit} s: rung {number} would end at about "
-                  f"{format_duration(elapsed + expected)} (elapsed {format_duration(elapsed)}, a rung of its kind "
-                  f"about {format_duration(expected)}): {rungs_named(not_started)} not started",
-                  flush=True)
+        expected = plan.expected_seconds(job.kind, seconds_by_kind)
+        if plan.past_the_limit(args.time_limit, elapsed, expected):
+            left = planned[index - 1:]
+            print(f"--time-limit {args.time_limit} s: {job.label.split(':')[0]} would end at about "
+                  f"{plan.format_duration(elapsed + expected)} (elapsed {plan.format_duration(elapsed)}, a run of its "
+                  f"kind about {plan.format_duration(expected)}): {plan.describe_left(left)} not started", flush=True)
             break
-        remaining = len(args.rungs) - index + 1
-        estimate = (f"~{format_duration(statistics.mean(durations) * remaining)} left" if durations
-                    else "time left: known after the first rung")
-        print(f"[{index}/{len(args.rungs)}] rung {number}: {CHANGES[number]} | elapsed "
-              f"{format_duration(elapsed)}, {estimate}", flush=True)
-        rung_start = time.monotonic()
+        remaining = len(planned) - index + 1
+        estimate = (f"~{plan.format_duration(statistics.mean(durations) * remaining)} left" if durations
+                    else "time left: known after the first run")
+        print(f"[{index}/{len(planned)}] {job.label} | elapsed {plan.format_duration(elapsed)}, {estimate}", flush=True)
+        started = time.monotonic()
         try:
-            timeout = run_timeout(args, deadline)
-            row = (runner.run_multi_process_rung(number, args, device_info, logs, *timeout) if number >= 11
-                   else runner.run_single_process_rung(number, args, logs, *timeout))
-        except KeyboardInterrupt as err:
-            row, stopped = {"rung": number, "error": report.INTERRUPTED}, err
-        durations.append(time.monotonic() - rung_start)
-        seconds_by_kind.setdefault(rung_kind(number), []).append(durations[-1])
-        if cut_at_the_limit(row) and rows:  # the first rung of a part keeps its row: no part would hold it
-            not_started = args.rungs[index - 1:]
-            print(f"--time-limit {args.time_limit} s: rung {number} was stopped at the limit after "
-                  f"{format_duration(durations[-1])}, longer than judged; it starts the next part, with the whole "
-                  "limit to itself", flush=True)
+            result = measure(job, args, device_info, logs, plan.run_timeout(args.rung_timeout, deadline))
+        except KeyboardInterrupt as err:  # a run cut off writes no row: the folder keeps the one it had, if any
+            stopped = err
             break
-        rows.append(report.complete_row(row, durations[-1], f"logs/rung-{number:02d}.log", report.timestamp(),
-                                        part["date"]))
-        part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
-        merged = report.merge(existing, part)
-        report.write_report(merged, out, roofline, chart=False)  # kept even if the part is stopped later
-        remaining = len(args.rungs) - index
-        print(f"[{index}/{len(args.rungs)}] rung {number} {'done' if not rows[-1]['error'] else 'FAILED'} in "
-              f"{format_duration(durations[-1])}: {runner.summarize(rows[-1])} | elapsed "
-              f"{format_duration(time.monotonic() - clock_start)}"
-              + (f", ~{format_duration(statistics.mean(durations) * remaining)} left"
-                 if remaining and not stopped else ""),
-              flush=True)
-        if stopped:
+        durations.append(time.monotonic() - started)
+        seconds_by_kind.setdefault(job.kind, []).append(durations[-1])
+        if plan.cut_at_the_limit(result) and done:  # the first run of a command keeps its failed row: no command
+            left = planned[index - 1:]                # would ever measure it otherwise
+            print(f"--time-limit {args.time_limit} s: {job.label.split(':')[0]} was stopped at the limit after "
+                  f"{plan.format_duration(durations[-1])}, longer than judged: no row; it starts the next part, with "
+                  "the whole limit to itself", flush=True)
             break
+        row = as_row(job, result, durations[-1], context)
+        rows.write_row(out, job.name, row)
+        report.write_report(report.collect(rows.read_rows(out)), out, roofline, chart=False)
+        done.append(row)
+        print(f"[{index}/{len(planned)}] {job.label.split(':')[0]} {'FAILED' if row['error'] else 'done'} in "
+              f"{plan.format_duration(durations[-1])}: {runner.summarize(row)} | elapsed "
+              f"{plan.format_duration(time.monotonic() - clock_start)}", flush=True)
 
-    if args.check_scripts and not stopped:
-        # --rungs missing and --rungs none (a part of checks alone, what --time-limit prints for the checks left)
-        # run the checks the folder lacks; a part with rungs runs them all again, against its new rows
-        checked = checked_scripts(existing) if missing or not args.rungs else set()
-        checks, checks_left = [], bool(not_started)
-        for script_name, rung in [] if checks_left else script_checks():
-            if script_name in checked:
-                continue
-            elapsed = time.monotonic() - clock_start
-            expected = expected_seconds([rung_kind(rung)], seconds_by_kind)
-            if past_the_limit(args, elapsed, expected):
-                checks_left = True
-                print(f"--time-limit {args.time_limit} s: the --check-scripts run of {script_name} would end at "
-                      f"about {format_duration(elapsed + expected)}: not started", flush=True)
-                break
-            check_start = time.monotonic()
-            try:  # against the rows of the folder too (--rungs none)
-                check = runner.run_script_check(script_name, rung, args, device_info, logs,
-                                                report.merge(existing, part)["rungs"], run_timeout(args, deadline))
-            except KeyboardInterrupt as err:
-                stopped = err
-                break
-            if cut_at_the_limit(check) and (rows or checks):  # the first run of a part keeps its failed check
-                checks_left = True
-                print(f"--time-limit {args.time_limit} s: the --check-scripts run of {script_name} was stopped at "
-                      f"the limit after {format_duration(time.monotonic() - check_start)}, longer than judged: not "
-                      "kept; it starts the next part", flush=True)
-                break
-            checks.append(check)
-            seconds_by_kind.setdefault(rung_kind(rung), []).append(time.monotonic() - check_start)
-        if checks:
-            part["script_checks"] = checks  # each finished check is kept, whatever stops the next one
-    part["parts"][0]["seconds"] = round(time.monotonic() - clock_start, 1)
-    merged = report.merge(existing, part)
-    markdown = report.write_report(merged, out, roofline)
-    measured = sum(1 for row in rows if row.get("tokens_per_sec"))
-    print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this part: {measured} of {len(rows)} rungs "
-          f"measured in {format_duration(part['parts'][0]['seconds'])}; the table holds rungs "
-          f"{report.rung_ranges(row['rung'] for row in merged['rungs'])}\n\n{markdown}", flush=True)
-    if not_started or checks_left:
-        print("--time-limit: the rest of this part is "
-              + (rungs_named(not_started) if not_started else "")
-              + (" and " if not_started and checks_left else "") + ("the --check-scripts runs" if checks_left else "")
-              + f"; measure it with:\n  {continuation_command(args.argv, not_started, checks_left)}", flush=True)
+    table = report.collect(rows.read_rows(out)) if (out / rows.FOLDER).exists() else None
+    if table:
+        markdown = report.write_report(table, out, roofline)
+        measured = sum(1 for row in done if row.get("tokens_per_sec"))
+        print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this command: {measured} of {len(done)} runs "
+              f"measured in {plan.format_duration(time.monotonic() - clock_start)}; the table holds rungs "
+              f"{report.rung_ranges(row['rung'] for row in table['rungs'])}\n\n{markdown}", flush=True)
+    if left:
+        print(f"--time-limit: the rest of this part is {plan.describe_left(left)}; measure it with:\n  "
+              f"{plan.continuation_command(args.argv, left, missing)}", flush=True)
     if stopped:
         return 128 + stopped.args[0] if isinstance(stopped, runner.Stopped) else 130
-    if not args.rungs:  # --rungs none: the script checks are the part
-        checks = part.get("script_checks", [])
-        return failures.EXIT_OK if checks and not any(check["error"] for check in checks) else failures.EXIT_FAILED
-    return failures.EXIT_OK if measured else failures.EXIT_FAILED
+    if all(job.script for job in planned):  # only script checks (--rungs none): they are the command's measurement
+        return failures.EXIT_OK if done and not any(row["error"] for row in done) else failures.EXIT_FAILED
+    return failures.EXIT_OK if any(row.get("tokens_per_sec") for row in done if "script" not in row) \
+        else failures.EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
   python bench/readme_tables.py bench/results/nvidia-h100-80gb-hbm3           # fill the README from the folder
   python bench/readme_tables.py bench/results/nvidia-h100-80gb-hbm3 --check   # exit 1 where they differ
 
-The folder is what bench/ladder.py wrote (ladder.json) and, in its stages/ subfolder, what bench/stages.py wrote
-(stages.json). From the ladder: the "measured here" column of the README's table of the ten optimizations (median
+The folder is what bench/ladder.py wrote (its rows/) and, in its stages/ subfolder, what bench/stages.py wrote
+(stages/rows/). From the ladder: the "measured here" column of the README's table of the ten optimizations (median
 tok/s, peak reserved GiB and the speed-up over the step above, for steps 0 to 10) and a paragraph under it with the
 GPU, the versions, the dates, step 10 over step 0, the steps that did not pay and rungs 11 and 12. From the stages:
 a table in the README's Results section, each run's Avg tok/sec, MFU, memory and wall clock split into phases.
@@ -16,7 +16,6 @@ Only a ladder at the stages' own settings fills the table: not --tiny, gpt2-smal
 """
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -28,8 +27,9 @@ if str(ROOT) not in sys.path:
 import cli  # noqa: E402  (needs the path above; imports no torch)
 import failures
 import timekeeping
-from bench.report import read_report  # noqa: E402
+from bench import report, rows  # noqa: E402
 from bench.stages import cell  # noqa: E402  (the stages' own table cells: n/a for a missing figure)
+from bench.stages import collect as stage_collect  # noqa: E402
 from data import UsageError  # noqa: E402
 
 README = ROOT / "README.md"
@@ -54,23 +54,15 @@ def shown_folder(folder):
     return folder.relative_to(ROOT).as_posix() if ROOT in folder.parents else folder.as_posix()
 
 
-def read_stages(path):
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise UsageError(f"{path} cannot be read as bench/stages.py's stages.json ({err})") from None
-
-
 def read_folder(folder):
-    """(ladder report, stages report or None) of a results folder; a UsageError for a folder the README cannot
-    show (no ladder.json, or a ladder measured at other settings than the stages' own)."""
+    """(ladder report, stages report or None) of a results folder, rendered from its rows; a UsageError for a folder
+    the README cannot show (no rows, or a ladder measured at other settings than the stages' own)."""
     folder = Path(folder)
-    ladder = read_report(folder / "ladder.json")
-    if ladder is None:
-        raise UsageError(f"{folder} holds no ladder.json: measure it first (python bench/ladder.py, "
+    found = report.read_folder(folder)
+    if not any(name.startswith("rung-") for name in found):
+        raise UsageError(f"{folder} holds no ladder rows: measure them first (python bench/ladder.py, "
                          "bench/README.md says how in parts)")
+    ladder = report.collect(found)
     settings = ladder.get("settings") or {}
     other = [what for what, differs in (
         ("--tiny", settings.get("tiny")), (f"--model {settings.get('model')}", settings.get("model") != "gpt2-small"),
@@ -79,7 +71,8 @@ def read_folder(folder):
     if other:
         raise UsageError(f"{folder} was measured with {', '.join(other)}: the README's table shows the stages at their "
                          "own settings (python bench/ladder.py with none of these)")
-    stages = read_stages(folder / "stages" / "stages.json")
+    stage_rows = rows.read_rows(folder / "stages")
+    stages = stage_collect(stage_rows) if stage_rows else None
     if stages is not None and (stages.get("tiny") or stages.get("device_name") != ladder.get("device_name")):
         raise UsageError(f"{folder}/stages was measured {'with --tiny' if stages.get('tiny') else 'on another device'}"
                          ": the README sets the stages beside the ladder of the same GPU")

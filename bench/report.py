@@ -1,15 +1,14 @@
-"""The ladder's report: its parts merged, then the table (ladder.md), numbers (ladder.json) and chart (ladder.png).
+"""The ladder's report: the table (ladder.md), numbers (ladder.json) and chart (ladder.png), rendered from the rows.
 
-bench/ladder.py measures rungs; this file turns their rows into those three files. A ladder can be measured in
-parts into one results folder (--rungs 0-5, then --rungs 6-12): each part is merged into what the folder holds,
-its rows replacing the rows of the same rungs, and a part measured on another device, with another PyTorch or
-with other settings is refused, since its numbers would not compare with the rest of the table.
+bench/ladder.py measures rungs, each into a row file of the results folder's rows/ (bench/rows.py); this file turns
+the rows present into those three files, whichever commands measured them: a ladder measured in parts
+(--rungs 0-5, then --rungs 6-12) is one table because its rows lie in one folder.
 
 When a roofline.json that bench/roofline.py wrote for the same GPU lies in the results folder (or --roofline
 names one), the table gains a column: each rung's measured tok/s over the ceiling modelled for it.
 
-Run alone, it rebuilds ladder.md, ladder.json and ladder.png from the ladder.json a folder holds, with no rung
-run again (after roofline.json was written beside it, or after a part was stopped before its chart):
+Run alone, it renders the three files again from the folder's rows, with no rung run again (after roofline.json was
+written beside them, or after a part was stopped before its chart):
 
   python bench/report.py bench/results/nvidia-h100-80gb-hbm3
   python bench/report.py RESULTS_FOLDER --roofline path/to/roofline.json
@@ -29,6 +28,7 @@ if str(ROOT) not in sys.path:
 import cli  # noqa: E402  (needs the path above; imports no torch)
 import failures
 import utilization
+from bench import rows  # noqa: E402
 from data import UsageError, files  # noqa: E402
 
 # The original tutorial's figures, one A100 (rung 11: four), PyTorch 2.6: its README's "Avg tok/sec"
@@ -54,13 +54,13 @@ SHORT_NAMES = {0: "baseline (00)", 1: "mask on the fly", 2: "TF32", 3: "fused Ad
 ROW_KEYS = ("rung", "change", "tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "speedup_vs_previous",
             "speedup_vs_baseline", "mfu", "peak_allocated_gb", "peak_reserved_gb", "first_interval_peak_reserved_gb",
             "final_loss", "error", "measured_at")
-INTERRUPTED = "interrupted"  # the error of a rung stopped by Ctrl-C: such a row replaces no measured one
 
-# What must be the same in two parts for their rows to share a table, and how the refusal names it.
-MATCHED_FIELDS = {"device_name": "device", "gpu_count": "visible GPUs", "torch": "PyTorch", "cuda": "CUDA"}
-MATCHED_SETTINGS = {"device": "device", "model": "--model", "tiny": "--tiny", "batch_size": "--batch-size",
-                    "data": "--data", "seed": "--seed", "warmup_steps": "--warmup", "steps": "--steps",
-                    "windows": "--windows", "options": "--option"}
+# What must be the same in two rows for them to share a table, and how a refusal names it.
+MATCHED = {"device_name": "device", "gpu_count": "visible GPUs", "torch": "PyTorch", "cuda": "CUDA",
+           **{f"settings.{key}": name for key, name in (
+               ("device", "device"), ("model", "--model"), ("tiny", "--tiny"), ("batch_size", "--batch-size"),
+               ("data", "--data"), ("seed", "--seed"), ("warmup_steps", "--warmup"), ("steps", "--steps"),
+               ("windows", "--windows"), ("options", "--option"))}}
 ROOFLINE_NAME = "roofline.json"
 SHIPPED_ROOFLINES = ROOT / "docs" / "roofline"  # bench/roofline.py's for the GPUs of the README
 
@@ -70,30 +70,35 @@ def timestamp(moment=None):
     return (moment or datetime.now(timezone.utc)).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def write_json(obj, path):
-    files.write_atomically(path, (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8"))
-
-
 # ---------------------------------------------------------------------------------------------
 # Rows
 # ---------------------------------------------------------------------------------------------
 
-def complete_row(row, seconds, log, measured_at, part):
-    """A rung's result as the report keeps it: the documented keys first, then the details, the reference figures,
-    when it was measured and by which part (the part's start time)."""
+def rung_row_name(number):
+    return f"rung-{number:02d}"
+
+
+def check_row_name(script_name):
+    return f"check-{Path(script_name).stem}"
+
+
+def complete_row(row, seconds, log, context):
+    """A rung's result as its row file keeps it: the documented keys first, then the details, the reference figures,
+    how long it took, its log, and the context it was measured in (device, versions, settings, command)."""
     from bench.rungs import CHANGES
 
     number = row["rung"]
     full = {key: row.get(key) for key in ROW_KEYS}
     full["change"] = CHANGES[number]
     full.update({key: value for key, value in row.items() if key not in full})
-    full.update(seconds=round(seconds, 1), measured_at=measured_at, part=part, log=log)
+    full.update(seconds=round(seconds, 1), measured_at=timestamp(), log=log)
     if row.get("windows_cross_epochs"):
         full["notes"] = [*(row.get("notes") or []), f"epochs of {row.get('steps_per_epoch')} steps are shorter "
                          "than a window: every window crosses an epoch boundary"]
     reference_speed, reference_reserved = REFERENCE.get(number, (None, None))
     full["reference"] = {"tokens_per_sec": reference_speed, "reserved_gb": reference_reserved,
                          "batch_size": REFERENCE_BATCH.get(number)}
+    full["context"] = context
     return full
 
 
@@ -112,77 +117,39 @@ def add_comparisons(rows):
         previous = row
 
 
-# ---------------------------------------------------------------------------------------------
-# Merging a part into the results folder
-# ---------------------------------------------------------------------------------------------
-
-def read_report(path):
-    """The report a results folder holds, or None when there is none yet; a UsageError when it cannot be read."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-        if not (isinstance(report.get("rungs"), list) and isinstance(report.get("settings"), dict)):
-            raise ValueError("no rungs or settings")
-    except (OSError, ValueError, AttributeError) as err:
-        raise UsageError(f"{path} is not a ladder.json that a part can be merged into ({err}): move it away or "
-                         "choose another --out") from None
-    return report
-
-
-def differences(existing, part):
-    """What differs between the part measured now and the rungs a folder holds, as 'what: X there, Y here'."""
-    def shown(key, value):
-        if value is None:
-            return "the stages' own" if key == "batch_size" else "none"
-        return str(value)
-
-    found = []
-    for key, name in MATCHED_FIELDS.items():
-        if existing.get(key) != part.get(key):
-            found.append(f"{name}: {shown(key, existing.get(key))} there, {shown(key, part.get(key))} here")
-    for key, name in MATCHED_SETTINGS.items():
-        there, here = existing["settings"].get(key), part["settings"].get(key)
-        if there != here:
-            found.append(f"{name}: {shown(key, there)} there, {shown(key, here)} here")
+def read_folder(folder):
+    """The rows of a results folder ({name: row}); a UsageError for a folder whose ladder.json predates row files."""
+    found = rows.read_rows(folder)
+    if not found and (Path(folder) / "ladder.json").exists():
+        raise UsageError(f"{folder} holds a ladder.json but no {rows.FOLDER}/ (a ladder of an older version): move "
+                         "it away, or choose another --out")
     return found
 
 
-def refuse_a_different_part(existing, part, path):
-    """A UsageError when the part measured now would not compare with the rungs already in `path`."""
-    found = differences(existing, part)
-    if found:
-        raise UsageError(f"{path} holds rungs measured otherwise ({'; '.join(found)}): a table merges only parts "
-                         "measured alike; run with the same settings or choose another --out")
-
-
-def merge(existing, part):
-    """Every rung measured so far: the rows of `part` replace the rows of `existing` for the same rungs.
-
-    The header (driver, date...) is the newest part's; a row stopped by Ctrl-C replaces nothing; a part of
-    which no row is left drops out of the list of parts; speed-ups are computed again over the merged rows."""
-    existing = existing or {"rungs": [], "parts": []}
-    rows = {row["rung"]: row for row in existing["rungs"]}
-    for row in part["rungs"]:
-        if row.get("error") == INTERRUPTED and row["rung"] in rows:
-            continue
-        rows[row["rung"]] = row
-    merged = {**part, "rungs": [rows[number] for number in sorted(rows)]}
-    owners = {row.get("part") for row in merged["rungs"]}
-    merged["parts"] = [entry for entry in existing.get("parts", []) + part["parts"] if entry["started_at"] in owners]
-    add_comparisons(merged["rungs"])
-
-    checks = {check["script"]: check for check in existing.get("script_checks", [])}
-    checks.update({check["script"]: check for check in part.get("script_checks", [])})
-    for check in checks.values():  # against the rung's row as it is now
-        rung_speed = rows[check["rung"]].get("tokens_per_sec") if check["rung"] in rows else None
-        check["rung_tokens_per_sec"] = rung_speed
-        check["script_over_rung"] = (check["tokens_per_sec"] / rung_speed
-                                     if check.get("tokens_per_sec") and rung_speed else None)
+def collect(found):
+    """The report of a folder's rows (read_folder's): the header of the newest row, the commands that measured them,
+    the rungs in order with their speed-ups, and the --check-scripts runs set beside their rungs."""
+    newest = max(found.values(), key=lambda row: row["measured_at"])["context"]
+    report = {key: newest[key] for key in ("device", "device_name", "gpu_count", "driver", "cuda", "torch", "python")}
+    parts = rows.commands(found)
+    for part in parts:
+        part["rungs"] = [found[name]["rung"] for name in part.pop("rows") if name.startswith("rung-")]
+    report.update(date=newest["command"]["started_at"], settings=newest["settings"], reference_source=REFERENCE_SOURCE,
+                  parts=parts)
+    without_context = {name: {key: value for key, value in row.items() if key != "context"}
+                       | {"part": row["context"]["command"]["started_at"]} for name, row in found.items()}
+    report["rungs"] = sorted(({key: row.get(key) for key in ROW_KEYS} | row for name, row in without_context.items()
+                              if name.startswith("rung-")), key=lambda row: row["rung"])
+    add_comparisons(report["rungs"])
+    speeds = {row["rung"]: row.get("tokens_per_sec") for row in report["rungs"]}
+    checks = [row for name, row in without_context.items() if name.startswith("check-")]
+    for check in checks:  # against the rung's row as it is now
+        check["rung_tokens_per_sec"] = speeds.get(check["rung"])
+        check["script_over_rung"] = (check["tokens_per_sec"] / check["rung_tokens_per_sec"]
+                                     if check.get("tokens_per_sec") and check["rung_tokens_per_sec"] else None)
     if checks:
-        merged["script_checks"] = list(checks.values())
-    return merged
+        report["script_checks"] = checks
+    return report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +257,9 @@ def attach_ceilings(report, roofline):
         row.pop("fraction_of_ceiling", None)
     if roofline is None:
         return
-    report["roofline"] = {"path": roofline["path"], "gpu": roofline["gpu"]}
+    path = Path(roofline["path"]).resolve()
+    report["roofline"] = {"path": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+                          "gpu": roofline["gpu"]}
     for row in report["rungs"]:
         ceiling = roofline["ceilings"].get(row["rung"])
         row["ceiling_tok_per_sec"] = ceiling
@@ -360,9 +329,8 @@ def render_markdown(report):
         f"- Measured in {len(report.get('parts', []))} part(s), each row dated in its \"measured\" column:",
     ]
     for part in report.get("parts", []):
-        owned = [row["rung"] for row in rows if row.get("part") == part["started_at"]]
-        lines.append(f"  - rungs {rung_ranges(owned)}: `{part['command']}`, started {part['started_at']}, "
-                     f"code {part['git'] or 'n/a'}")
+        lines.append(f"  - rungs {rung_ranges(part['rungs']) or 'none'}: `{part['command']}`, started "
+                     f"{part['started_at']}, code {part['git'] or 'n/a'}")
     lines += [
         f"- Each rung: a fresh process, corpus `{settings['data']}`, seed {settings['seed']}, "
         f"warm-up steps: {settings['warmup_steps']} (not timed), then {settings['steps']} steps timed in "
@@ -521,10 +489,11 @@ def plot_ladder(report, path):
 # ---------------------------------------------------------------------------------------------
 
 def write_report(report, out, roofline=None, chart=True):
-    """ladder.json, ladder.md and (unless `chart` is off) ladder.png in `out`; returns the table."""
+    """ladder.json, ladder.md and (unless `chart` is off) ladder.png in `out`, from collect()'s report; returns the
+    table."""
     out = Path(out)
     attach_ceilings(report, roofline)
-    write_json(report, out / "ladder.json")
+    files.write_atomically(out / "ladder.json", (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"))
     markdown = render_markdown(report)
     files.write_atomically(out / "ladder.md", markdown.encode("utf-8"))
     if chart:
@@ -541,10 +510,11 @@ def main(argv=None):
                              "if it models the same GPU)")
     args = parser.parse_args(argv)
     try:
-        path = Path(args.results) / "ladder.json"
-        report = read_report(path)
-        if report is None:
-            raise UsageError(f"{path} does not exist: write it with bench/ladder.py --out {args.results}")
+        found = read_folder(args.results)
+        if not found:
+            raise UsageError(f"{Path(args.results) / rows.FOLDER} holds no rows: measure them with bench/ladder.py "
+                             f"--out {args.results}")
+        report = collect(found)
         roofline = find_roofline(args.results, args.roofline, report["device_name"], report["settings"])
         write_report(report, args.results, roofline)
     except UsageError as err:

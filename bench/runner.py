@@ -29,7 +29,7 @@ import devices
 import failures
 import timekeeping
 import utilization
-from bench import report
+from data import files
 
 ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "bench" / "ladder.py"
@@ -164,7 +164,7 @@ def run_rung_main(args):
                                                         "first_interval_peak_allocated_gb",
                                                         "first_interval_peak_reserved_gb")})
             say(utilization.peak_memory_line(memory))
-        report.write_json(result, args.result)
+        files.write_atomically(args.result, json.dumps(result, allow_nan=False).encode("utf-8"))
     return failures.EXIT_OK if result["error"] is None else failures.EXIT_FAILED
 
 
@@ -506,25 +506,15 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
     return row
 
 
-def run_script_check(script_name, rung, args, device_info, logs, rows, timeout):
-    """Run one stage script as it is (`timeout`: seconds and the flag that sets them) and set its own clock beside
-    its rung's row (among `rows`)."""
-    print(f"Cross-check: {script_name} as it is, for rung {rung}", flush=True)
+def run_script_check(script_name, rung, args, device_info, logs, timeout):
+    """Run one stage script as it is (`timeout`: seconds and the flag that sets them), for its own clock to be set
+    beside its rung's row."""
     stem = Path(script_name).stem
     result = run_stage_script(script_name, [sys.executable], args, device_info, logs / f"script-{stem}.log",
                               logs / f"script-{stem}-run", *timeout)
-    ladder_row = next((row for row in rows if row["rung"] == rung), None)
-    ladder_speed = ladder_row.get("tokens_per_sec") if ladder_row else None
-    check = {
-        "script": script_name, "rung": rung, "error": result["error"], "timed_out": result.get("timed_out"),
-        "tokens_per_sec": result.get("tokens_per_sec"), "tokens_per_sec_min": result.get("tokens_per_sec_min"),
-        "tokens_per_sec_max": result.get("tokens_per_sec_max"), "rung_tokens_per_sec": ladder_speed,
-        "script_over_rung": (result["tokens_per_sec"] / ladder_speed
-                             if result.get("tokens_per_sec") and ladder_speed else None),
-        "peak_reserved_gb": result.get("peak_reserved_gb"),
-    }
-    print(f"Cross-check: {script_name}: {summarize(check)}", flush=True)
-    return check
+    return {"script": script_name, "rung": rung, "error": result["error"], "timed_out": result.get("timed_out"),
+            **{key: result.get(key) for key in ("tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max",
+                                                "peak_reserved_gb")}}
 
 
 def git_revision():

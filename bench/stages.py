@@ -13,15 +13,16 @@ The runs, each a fresh process with the stage's own defaults:
 torch.compile keeps what it compiled on disk (Inductor's and Triton's caches) and a second run loads it
 instead of compiling again. Each run here gets a cache folder of its own, empty, except 01-warm, which
 reuses 01-cold's, so "cold" and "warm" mean the same on every machine, whatever ran there before. The caches
-are deleted at the end. Commands into the same folder fill one table (`--runs 00,01-cold,01-warm`, then
-`--runs 02`, where one command may run for at most 10 minutes): a run measured again replaces its row, and a folder
-measured on another GPU, PyTorch or CUDA is refused. `--runs missing` runs what the folder lacks, so the same command
+are deleted at the end. Each run's figures are one row file, rows/<run>.json (bench/rows.py), and the tables are
+rendered from the rows present, so commands into the same folder fill one table (`--runs 00,01-cold,01-warm`, then
+`--runs 02`, where one command may run for at most 10 minutes): a run measured again replaces its row, and a command
+on another GPU, PyTorch or CUDA is refused. `--runs missing` runs what has no row, so the same command
 again goes on where one cut off stopped.
 
 Every stage ends its log with its wall clock split into start-up, compilation, training, evaluation,
 sampling and outputs (metrics.json's wall_clock_s); this script sets those side by side with the whole
 command's time (torchrun's start included), the Avg tok/sec, MFU and memory of each run. It writes
-stages.md (the tables), stages.json (the numbers) and logs/<run>.log, and keeps each run's metrics.json and
+stages.md (the tables), stages.json (the numbers), rows/ and logs/<run>.log, and keeps each run's metrics.json and
 loss plots under runs/<run>/ (the checkpoints are deleted: 2 GB each at full size).
 
 Exit code 0 when every run finished, 1 when one failed (its row says how; its log has the rest), 2 for a
@@ -41,14 +42,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the plumbing modules and bench, wherever the script is started from
 
-import checkpoints  # noqa: E402  (needs the path above)
-import cli  # noqa: E402
+import cli  # noqa: E402  (needs the path above)
 import devices
 import failures
 import timekeeping
-from bench.ladder import MISSING  # noqa: E402
+from bench import rows  # noqa: E402
+from bench.rows import MISSING  # noqa: E402
 from bench.runner import (Stopped, describe_device, drop_checkpoints, failure_from_output, git_revision,  # noqa: E402
                           nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
+from data import files  # noqa: E402
 
 TORCHRUN_ONE_PROCESS = ("torchrun", "--standalone", "--nproc_per_node=1")
 # name: (what the user types after python or torchrun, the flags of this run, whose compile cache it uses)
@@ -60,6 +62,7 @@ RUNS = {
 }
 TINY_STEPS = 12  # --tiny: every run stops there (with an evaluation every 4 steps)
 PHASES = timekeeping.WALL_CLOCK_PHASES
+MATCHED = {"device_name": "GPU", "torch": "PyTorch", "cuda": "CUDA", "tiny": "--tiny"}  # rows of one table share these
 
 
 def build_parser():
@@ -172,30 +175,31 @@ def render_markdown(report):
     return "\n".join(lines) + "\n"
 
 
-def missing_runs(report):
-    """--runs missing: the runs without a row in `report` (a failed run keeps its row: name it to run it again),
-    01-cold with 01-warm, whose cache it fills in the same command."""
-    done = {row["run"] for row in report["runs"]}
-    names = [name for name in RUNS if name not in done]
+def missing_runs(found):
+    """--runs missing: the runs without a row (a failed run keeps its row: name it to run it again), 01-cold with
+    01-warm, whose cache it fills in the same command."""
+    names = [name for name in RUNS if name not in found]
     return [name for name in RUNS if name in names or name == "01-cold" and "01-warm" in names]
 
 
-def earlier_parts(path, report):
-    """`report` with the parts and rows a command before this one wrote into the same folder (a run measured
-    again replaces its row), so that commands of under 10 minutes each fill one table; a folder measured on
-    another GPU, PyTorch or CUDA, or with(out) --tiny, is refused."""
-    if not path.is_file():
-        return report
-    try:
-        earlier = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise failures.UsageError(f"{path} cannot be read ({err}): move it away, or choose another --out") from None
-    differences = [f"{key} {earlier.get(key)!r} there, {report[key]!r} here"
-                   for key in ("device_name", "torch", "cuda", "tiny") if earlier.get(key) != report[key]]
-    if differences or "parts" not in earlier:
-        raise failures.UsageError(f"{path} holds runs measured otherwise ({'; '.join(differences) or 'older format'}): "
-                                "choose another --out, or move its files away")
-    return {**report, "parts": earlier["parts"], "runs": earlier["runs"]}
+def collect(found):
+    """stages.json's report from the folder's rows: the header of the newest row, the commands, the runs in order."""
+    newest = max(found.values(), key=lambda row: row["context"]["command"]["started_at"])["context"]
+    return {**{key: newest[key] for key in ("device", "device_name", "torch", "cuda", "driver", "python", "tiny")},
+            "parts": [{"command": command["command"], "date": command["started_at"], "git": command["git"],
+                       "runs": [name for name in RUNS if name in command["rows"]]}
+                      for command in rows.commands(found)],
+            "runs": [{key: value for key, value in found[name].items() if key != "context"}
+                     for name in RUNS if name in found]}
+
+
+def render(out):
+    """stages.json and stages.md again, from the rows present; returns the table."""
+    report = collect(rows.read_rows(out))
+    files.write_atomically(out / "stages.json", (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())
+    markdown = render_markdown(report)
+    files.write_atomically(out / "stages.md", markdown.encode("utf-8"))
+    return markdown
 
 
 def main(argv=None):
@@ -205,46 +209,46 @@ def main(argv=None):
         device_info = describe_device(args)
         out = Path(args.out) if args.out else (ROOT / "bench" / "results" / (device_info["slug"] + (
             "-tiny" if args.tiny else "")) / "stages")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "logs").mkdir(exist_ok=True)
+        context = {"device": device_info["description"], "device_name": device_info["name"],
+                   "torch": device_info["torch"], "cuda": device_info["cuda"], "driver": nvidia_driver(),
+                   "python": device_info["python"], "tiny": args.tiny,
+                   "command": {"started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                               "command": shlex.join(["python", "bench/stages.py",
+                                                      *(argv if argv is not None else sys.argv[1:])]),
+                               "git": git_revision()}}
+        found = rows.read_rows(out)
+        if not found and (out / "stages.json").exists():
+            raise failures.UsageError(f"{out} holds a stages.json but no {rows.FOLDER}/ (an older version's): move it "
+                                      "away, or choose another --out")
+        rows.refuse_a_different_part(found, context, MATCHED, out, "runs")
+        if names == MISSING:
+            names = missing_runs(found)
+            if not names:
+                print(f"--runs missing: nothing left to run: {out / rows.FOLDER} holds every run")
+                return failures.EXIT_OK
+        (out / "logs").mkdir(parents=True, exist_ok=True)
     except failures.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return failures.EXIT_USAGE
     except OSError as err:
         print(f"error: cannot write into {args.out}: {err.strerror or err}", file=sys.stderr)
         return failures.EXIT_USAGE
-    report = {"device": device_info["description"], "device_name": device_info["name"], "torch": device_info["torch"],
-              "cuda": device_info["cuda"], "driver": nvidia_driver(), "python": device_info["python"],
-              "tiny": args.tiny, "parts": [], "runs": []}
-    try:
-        report = earlier_parts(out / "stages.json", report)
-    except failures.UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return failures.EXIT_USAGE
-    if names == MISSING:
-        names = missing_runs(report)
-        if not names:
-            print(f"--runs missing: nothing left to run: {out / 'stages.json'} holds every run")
-            return failures.EXIT_OK
-    report["parts"].append({"command": shlex.join(["python", "bench/stages.py",
-                                                   *(argv if argv is not None else sys.argv[1:])]),
-                            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git": git_revision(),
-                            "runs": names})
     stop_on_signals()  # SIGTERM and SIGHUP as Ctrl-C: the run in progress is stopped with everything it started
+    failed = False
     try:
         for name in names:
-            rows = [row for row in report["runs"] if row["run"] != name] + [measure(name, args, out)]
-            report["runs"] = sorted(rows, key=lambda row: list(RUNS).index(row["run"]))
-            checkpoints.write_json(report, out / "stages.json")  # after every run: a cut-off keeps what finished
-            checkpoints.save_atomically(lambda tmp: Path(tmp).write_text(render_markdown(report)), out / "stages.md")
+            row = measure(name, args, out)
+            failed = failed or bool(row["error"])
+            rows.write_row(out, name, {**row, "context": context})  # a cut-off keeps the runs that finished
+            markdown = render(out)
     except KeyboardInterrupt as err:
         print("interrupted: the runs that finished are in stages.md", file=sys.stderr)
         return 128 + err.args[0] if isinstance(err, Stopped) else 130
     finally:
         shutil.rmtree(out / "compile-cache", ignore_errors=True)
-    print(render_markdown(report))
-    print(f"Wrote {out}/stages.md, stages.json and logs/")
-    return failures.EXIT_FAILED if any(row["error"] for row in report["runs"]) else failures.EXIT_OK
+    print(markdown)
+    print(f"Wrote {out}/stages.md, stages.json, {rows.FOLDER}/ and logs/")
+    return failures.EXIT_FAILED if failed else failures.EXIT_OK
 
 
 if __name__ == "__main__":

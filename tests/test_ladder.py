@@ -1,5 +1,5 @@
-"""bench/ladder.py and bench/report.py: each rung is built from the stage scripts as documented, a --tiny ladder
-runs in two parts that merge into one table, and the report's table, chart and merge rules hold.
+"""bench/ladder.py, bench/plan.py, bench/rows.py and bench/report.py: each rung is built from the stage scripts as
+documented, a --tiny ladder runs in two parts whose row files make one table, and the report's table and chart hold.
 
 The composition tests build the tiny models in this process (cheap), and the report's tests work on hand-made
 rows. One --tiny ladder of rungs 0 to 11, with the fewest steps, runs once per module as a user would start it,
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import devices
 import failures
-from bench import ladder, report, rungs, runner
+from bench import ladder, plan, report, rows, rungs, runner
 from conftest import ROOT, process_alive, run_script, wait_for
 
 CPU = torch.device("cpu")
@@ -288,47 +288,52 @@ def test_window_sizes_cover_every_step():
     assert rungs.window_sizes(2, 5) == [1, 1]
 
 
-def hand_made_rows(speeds, part="2026-01-01 00:00:00 UTC"):
-    """Complete rows for {rung: (tok/s or None, peak reserved GiB or None)}, as a GPU run would make them."""
-    rows = []
+def hand_made_context(started_at="2026-01-01 00:00:00 UTC", **differences):
+    """The context every row of one ladder command carries; `differences` changes its header or settings
+    (torch="2.0", steps=5...)."""
+    settings = {"tiny": False, "model": "gpt2-small", "batch_size": None, "data": "shakespeare", "seed": 123,
+                "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda", "options": None}
+    context = {"device": "NVIDIA X (compute capability 9.0, CUDA 12.8)", "device_name": "NVIDIA X", "gpu_count": 1,
+               "driver": "570.00", "cuda": "12.8", "torch": "2.9.0", "python": "3.12", "settings": settings,
+               "command": {"started_at": started_at, "command": "python bench/ladder.py", "git": "abc1234"}}
+    for key, value in differences.items():
+        (settings if key in settings else context)[key] = value
+    return context
+
+
+def hand_made_rows(speeds, started_at="2026-01-01 00:00:00 UTC", **differences):
+    """Row files' contents, {name: row}, for {rung: (tok/s or None, peak reserved GiB or None)}, as one command on a
+    GPU would write them."""
+    found = {}
     for number, (speed, reserved) in speeds.items():
-        row = {key: None for key in report.ROW_KEYS}
-        row.update(rung=number, tokens_per_sec=speed, peak_reserved_gb=reserved, batch_size=8,
-                   error=None if speed else "out of memory: OutOfMemoryError: CUDA out of memory")
+        row = {"rung": number, "tokens_per_sec": speed, "peak_reserved_gb": reserved, "batch_size": 8,
+               "error": None if speed else "out of memory: OutOfMemoryError: CUDA out of memory"}
         if speed:
             row.update(tokens_per_sec_min=speed * 0.9, tokens_per_sec_max=speed * 1.05, mfu=0.3, final_loss=9.5,
                        peak_allocated_gb=reserved / 2)
-        rows.append(report.complete_row(row, 1.0, f"logs/rung-{number:02d}.log", part, part))
-    return rows
+        row = report.complete_row(row, 1.0, f"logs/rung-{number:02d}.log",
+                                  hand_made_context(started_at, **differences))
+        found[report.rung_row_name(number)] = {**row, "measured_at": started_at}
+    return found
 
 
-def hand_made_part(speeds, started_at="2026-01-01 00:00:00 UTC", **differences):
-    """The report of one part as bench/ladder.py builds it before the merge; `differences` changes its header or
-    settings (torch="2.0", steps=5...)."""
-    settings = {"tiny": False, "model": "gpt2-small", "batch_size": None, "data": "shakespeare", "seed": 123,
-                "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda", "options": None}
-    part = {"device": "NVIDIA X (compute capability 9.0, CUDA 12.8)", "device_name": "NVIDIA X", "gpu_count": 1,
-            "driver": "570.00", "cuda": "12.8", "torch": "2.9.0", "python": "3.12", "date": started_at,
-            "settings": settings, "reference_source": report.REFERENCE_SOURCE,
-            "parts": [{"started_at": started_at, "command": "python bench/ladder.py", "git": "abc1234",
-                       "rungs": sorted(speeds), "seconds": 60}],
-            "rungs": hand_made_rows(speeds, started_at)}
-    for key, value in differences.items():
-        (settings if key in settings else part)[key] = value
-    return part
+def write_rows(folder, found):
+    for name, row in found.items():
+        rows.write_row(folder, name, row)
+    return folder
 
 
 def synthetic_gpu_report():
     """A report as a GPU run would make it (memory figures, a failed rung), without a GPU."""
-    return report.merge(None, hand_made_part({0: (12_000.0, 26.0), 1: (12_100.0, 25.9), 2: (None, None),
-                                              3: (27_000.0, 25.9)}))
+    return report.collect(hand_made_rows({0: (12_000.0, 26.0), 1: (12_100.0, 25.9), 2: (None, None),
+                                          3: (27_000.0, 25.9)}))
 
 
 def test_comparisons_skip_a_failed_neighbour():
-    rows = {row["rung"]: row for row in synthetic_gpu_report()["rungs"]}
-    assert rows[1]["speedup_vs_previous"] == pytest.approx(12_100 / 12_000)
-    assert rows[2]["speedup_vs_previous"] is None and rows[3]["speedup_vs_previous"] is None  # not across a gap
-    assert rows[3]["speedup_vs_baseline"] == pytest.approx(27_000 / 12_000)
+    found = {row["rung"]: row for row in synthetic_gpu_report()["rungs"]}
+    assert found[1]["speedup_vs_previous"] == pytest.approx(12_100 / 12_000)
+    assert found[2]["speedup_vs_previous"] is None and found[3]["speedup_vs_previous"] is None  # not across a gap
+    assert found[3]["speedup_vs_baseline"] == pytest.approx(27_000 / 12_000)
 
 
 def test_gpu_report_renders(tmp_path):
@@ -337,35 +342,40 @@ def test_gpu_report_renders(tmp_path):
     assert "25.90" in markdown and "570.00" in markdown and "original tutorial, 1x A100, PyTorch 2.6" in markdown
     assert "| 2026-01-01 00:00 |" in markdown  # when each row was measured
     assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((tmp_path / "ladder.json").read_text())["rungs"][0]["measured_at"] == "2026-01-01 00:00:00 UTC"
+    written = json.loads((tmp_path / "ladder.json").read_text())
+    assert written["rungs"][0]["measured_at"] == "2026-01-01 00:00:00 UTC"
+    assert list(written["rungs"][0])[:len(report.ROW_KEYS)] == list(report.ROW_KEYS)  # the documented keys first
+    assert "context" not in written["rungs"][0] and written["torch"] == "2.9.0"
 
 
-def test_a_part_replaces_the_rows_of_the_rungs_it_measured_again():
-    first = hand_made_part({0: (100.0, 1.0), 1: (110.0, 1.0), 2: (120.0, 1.0)}, "2026-01-01 10:00:00 UTC")
-    second = hand_made_part({2: (150.0, 1.0), 3: (200.0, 1.0)}, "2026-01-02 10:00:00 UTC", driver="580.00")
-    merged = report.merge(report.merge(None, first), second)
-    rows = {row["rung"]: row for row in merged["rungs"]}
-    assert sorted(rows) == [0, 1, 2, 3]
-    assert rows[2]["tokens_per_sec"] == 150.0 and rows[2]["measured_at"] == "2026-01-02 10:00:00 UTC"
-    assert rows[1]["measured_at"] == "2026-01-01 10:00:00 UTC"
-    assert rows[2]["speedup_vs_previous"] == pytest.approx(150 / 110) and rows[2]["previous_rung"] == 1
-    assert [part["started_at"] for part in merged["parts"]] == ["2026-01-01 10:00:00 UTC", "2026-01-02 10:00:00 UTC"]
-    assert merged["driver"] == "580.00"  # the header is the newest part's
-    # a part that measured all of an older part's rungs again leaves no trace of it
-    third = hand_made_part({0: (90.0, 1.0), 1: (95.0, 1.0)}, "2026-01-03 10:00:00 UTC")
-    assert [part["started_at"] for part in report.merge(merged, third)["parts"]] == ["2026-01-02 10:00:00 UTC",
-                                                                                       "2026-01-03 10:00:00 UTC"]
-    # a rung stopped by Ctrl-C replaces no measured row, but is shown where there was none
-    stopped = hand_made_part({}, "2026-01-04 10:00:00 UTC")
-    stopped["rungs"] = [report.complete_row({"rung": number, "error": report.INTERRUPTED}, 1.0, "log",
-                                            "2026-01-04 10:00:01 UTC", "2026-01-04 10:00:00 UTC") for number in (3, 4)]
-    after = {row["rung"]: row for row in report.merge(merged, stopped)["rungs"]}
-    assert after[3]["tokens_per_sec"] == 200.0 and after[4]["error"] == report.INTERRUPTED
+def test_the_table_is_the_rows_present_each_file_replaced_by_a_newer_one(tmp_path):
+    """Two commands into one folder: the second's rows replace the first's for the rungs it measured again; the
+    header is the newest row's; a command whose rows were all replaced leaves no trace; the speed-ups are taken
+    across the commands."""
+    write_rows(tmp_path, hand_made_rows({0: (100.0, 1.0), 1: (110.0, 1.0), 2: (120.0, 1.0)}, "2026-01-01 10:00:00 UTC"))
+    write_rows(tmp_path, hand_made_rows({2: (150.0, 1.0), 3: (200.0, 1.0)}, "2026-01-02 10:00:00 UTC",
+                                        driver="580.00"))
+    table = report.collect(report.read_folder(tmp_path))
+    found = {row["rung"]: row for row in table["rungs"]}
+    assert sorted(found) == [0, 1, 2, 3] and sorted(path.name for path in (tmp_path / "rows").iterdir()) == [
+        "rung-00.json", "rung-01.json", "rung-02.json", "rung-03.json"]
+    assert found[2]["tokens_per_sec"] == 150.0 and found[2]["measured_at"] == "2026-01-02 10:00:00 UTC"
+    assert found[1]["measured_at"] == "2026-01-01 10:00:00 UTC"
+    assert found[2]["speedup_vs_previous"] == pytest.approx(150 / 110) and found[2]["previous_rung"] == 1
+    assert [(part["started_at"], part["rungs"]) for part in table["parts"]] == [
+        ("2026-01-01 10:00:00 UTC", [0, 1]), ("2026-01-02 10:00:00 UTC", [2, 3])]
+    assert table["driver"] == "580.00"  # the header is the newest row's
+    write_rows(tmp_path, hand_made_rows({0: (90.0, 1.0), 1: (95.0, 1.0)}, "2026-01-03 10:00:00 UTC"))
+    assert [part["started_at"] for part in report.collect(report.read_folder(tmp_path))["parts"]] == [
+        "2026-01-02 10:00:00 UTC", "2026-01-03 10:00:00 UTC"]
+    (tmp_path / "rows" / "rung-04.json").write_text("{}")  # not a row: named, never silently left out
+    with pytest.raises(report.UsageError, match="rung-04.json is not a row of this folder"):
+        report.read_folder(tmp_path)
 
 
-def test_a_part_measured_otherwise_is_refused(tmp_path):
-    existing = hand_made_part({0: (100.0, 1.0)})
-    assert report.differences(existing, hand_made_part({1: (110.0, 1.0)}, driver="580.00")) == []
+def test_a_command_measured_otherwise_is_refused():
+    found = hand_made_rows({0: (100.0, 1.0)})
+    assert rows.differences(found["rung-00"]["context"], hand_made_context(driver="580.00"), report.MATCHED) == []
     for change, named in ((dict(torch="2.11.0"), "PyTorch: 2.9.0 there, 2.11.0 here"),
                           (dict(device_name="NVIDIA Y"), "device: NVIDIA X there, NVIDIA Y here"),
                           (dict(steps=10), "--steps: 30 there, 10 here"), (dict(warmup_steps=2), "--warmup"),
@@ -374,20 +384,23 @@ def test_a_part_measured_otherwise_is_refused(tmp_path):
                           (dict(tiny=True), "--tiny"), (dict(data="middlemarch"), "--data"), (dict(seed=1), "--seed"),
                           (dict(options="max-autotune"), "--option: none there, max-autotune here")):
         with pytest.raises(report.UsageError, match="holds rungs measured otherwise") as refused:
-            report.refuse_a_different_part(existing, hand_made_part({1: (110.0, 1.0)}, **change), "ladder.json")
+            rows.refuse_a_different_part(found, hand_made_context(**change), report.MATCHED, "out", "rungs")
         assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_the_ladder_refuses_a_part_measured_otherwise_and_writes_nothing(tmp_path, small_text):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "ladder.json").write_text(json.dumps(hand_made_part({0: (100.0, 1.0)}, torch="1.0.0")))
-    before = (out / "ladder.json").read_bytes()
+def test_the_ladder_refuses_a_command_measured_otherwise_and_writes_nothing(tmp_path, small_text):
+    out = write_rows(tmp_path / "out", hand_made_rows({0: (100.0, 1.0)}, torch="1.0.0"))
+    before = (out / "rows" / "rung-00.json").read_bytes()
     done = run_script("bench/ladder.py", "--tiny", "--rungs", "0", "--data", small_text, "--out", out)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 1 and "PyTorch: 1.0.0 there" in done.stderr
-    assert (out / "ladder.json").read_bytes() == before and sorted(path.name for path in out.iterdir()) == [
-        "ladder.json"]
+    assert (out / "rows" / "rung-00.json").read_bytes() == before and sorted(path.name for path in out.iterdir()) == [
+        "rows"]
+    (out / "rows" / "rung-00.json").unlink()
+    (out / "rows").rmdir()
+    (out / "ladder.json").write_text("{}")  # a folder of an older version: refused, not overwritten
+    done = run_script("bench/ladder.py", "--tiny", "--rungs", "0", "--data", small_text, "--out", out)
+    assert done.returncode == 2 and "holds a ladder.json but no rows/" in done.stderr
 
 
 def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
@@ -505,13 +518,13 @@ def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
 
 
 def test_ratios_name_the_rung_they_compare_with():
-    merged = report.merge(None, hand_made_part({0: (100.0, 1.0), 5: (200.0, 1.0), 8: (300.0, 1.0)}))
-    rows = {row["rung"]: row for row in merged["rungs"]}
-    assert report.ratio_label(rows[5]) == "2.00× rung 0"
-    assert report.ratio_label(rows[8]) == "1.50× rung 5 · 3.00× rung 0"
+    merged = report.collect(hand_made_rows({0: (100.0, 1.0), 5: (200.0, 1.0), 8: (300.0, 1.0)}))
+    by_rung = {row["rung"]: row for row in merged["rungs"]}
+    assert report.ratio_label(by_rung[5]) == "2.00× rung 0"
+    assert report.ratio_label(by_rung[8]) == "1.50× rung 5 · 3.00× rung 0"
     markdown = report.render_markdown(merged)
     assert "| 1.50× rung 5 |" in markdown and "prev." not in markdown
-    alone = report.merge(None, hand_made_part({5: (200.0, 1.0), 8: (300.0, 1.0)}))  # no rung 0 in the table
+    alone = report.collect(hand_made_rows({5: (200.0, 1.0), 8: (300.0, 1.0)}))  # no rung 0 in the table
     assert report.ratio_label(alone["rungs"][1]) == "1.50× rung 5"
 
 
@@ -524,9 +537,9 @@ def test_whiskers_reach_the_slowest_and_the_fastest_window():
 
 def test_reference_cells_say_when_the_batch_is_not_theirs():
     settings = {"tiny": False}
-    row = hand_made_rows({10: (100.0, 1.0)})[0]  # batch 8 against the reference's 32
+    row = hand_made_rows({10: (100.0, 1.0)})["rung-10"]  # batch 8 against the reference's 32
     assert report.reference_cells(row, settings) == ("142,156 (at batch 32)", "22.51 (at batch 32)")
-    row = hand_made_rows({3: (100.0, 1.0)})[0]
+    row = hand_made_rows({3: (100.0, 1.0)})["rung-03"]
     assert report.reference_cells(row, settings) == ("28,399", "26.24")
 
 
@@ -550,7 +563,7 @@ def test_a_roofline_for_the_same_gpu_adds_a_ceiling_column(tmp_path):
                                 say=said.append) is None and "--batch-size" in said[1]
     with pytest.raises(report.UsageError, match="models the H100"):
         report.find_roofline(tmp_path, tmp_path / "roofline.json", "NVIDIA A100-SXM4-80GB", settings)
-    assert "ceiling" not in report.render_markdown(report.merge(None, hand_made_part({0: (1.0, 1.0)})))
+    assert "ceiling" not in report.render_markdown(report.collect(hand_made_rows({0: (1.0, 1.0)})))
 
 
 def test_without_a_roofline_in_the_folder_the_one_shipped_for_the_gpu_is_used(tmp_path):
@@ -569,16 +582,15 @@ def test_without_a_roofline_in_the_folder_the_one_shipped_for_the_gpu_is_used(tm
 
 
 def test_report_py_rebuilds_a_table_with_the_ceiling_beside_it(tmp_path, capsys):
-    merged = synthetic_gpu_report()
-    merged["device_name"] = "NVIDIA H100 80GB HBM3"
-    report.write_report(merged, tmp_path, chart=False)
+    write_rows(tmp_path, hand_made_rows({0: (12_000.0, 26.0)}, device_name="NVIDIA H100 80GB HBM3"))
+    report.write_report(report.collect(report.read_folder(tmp_path)), tmp_path, chart=False)  # no roofline given
     assert "ceiling" not in (tmp_path / "ladder.md").read_text()
     roofline = {"gpu": "H100", "rungs": [{"rung": 0, "ceiling_tok_per_sec": 48_000.0, "classes": {}}]}
     (tmp_path / "roofline.json").write_text(json.dumps(roofline))
     assert report.main([str(tmp_path)]) == 0
     assert "| 25% of 48,000 |" in (tmp_path / "ladder.md").read_text() and (tmp_path / "ladder.png").exists()
     assert report.main([str(tmp_path / "nothing here")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "holds no rows" in capsys.readouterr().err
 
 
 def test_a_wrong_corpus_is_a_usage_error(tmp_path):
@@ -645,6 +657,10 @@ def test_the_parts_merge_into_one_table(tiny_ladder):
     assert merged["settings"]["batch_size"] == 2 and merged["settings"]["model"] == "gpt2-small"
     markdown = (out / "ladder.md").read_text()
     assert "Measured in 2 part(s)" in markdown and "--rungs 0-5,11" in markdown and "--rungs 6-11" in markdown
+    files = sorted(path.name for path in (out / "rows").iterdir())
+    assert files == [f"rung-{number:02d}.json" for number in range(12)]  # one file per rung, the newest kept
+    row_11 = json.loads((out / "rows" / "rung-11.json").read_text())
+    assert row_11["context"]["command"]["started_at"] == second_start and row_11["context"]["settings"]["tiny"]
     for line in markdown.splitlines():
         if line.startswith("| ") and line.split(" | ")[0][2:].isdigit():
             assert re.search(r"\| \d{4}-\d\d-\d\d \d\d:\d\d \|", line), line  # every row dated
@@ -685,19 +701,24 @@ def test_rung_11_writes_into_the_results_folder_and_keeps_no_checkpoint(tiny_lad
 
 
 def test_time_limit_helpers():
-    assert [ladder.rung_kind(number) for number in (0, 7, 8, 10, 11, 12)] == ["eager", "eager", "compiled",
-                                                                                "compiled", "scripts", "scripts"]
-    assert ladder.expected_seconds(["eager"], {}) is None  # before the first rung: no judgement
+    assert [plan.rung_kind(number) for number in (0, 7, 8, 10, 11, 12)] == ["eager", "eager", "compiled",
+                                                                              "compiled", "scripts", "scripts"]
+    assert plan.expected_seconds("eager", {}) is None  # before the first run: no judgement
     seen = {"eager": [50.0, 70.0]}
-    assert ladder.expected_seconds(["eager"], seen) == 70.0  # the longest of its kind
-    assert ladder.expected_seconds(["compiled"], seen) == 140.0  # none of its kind yet: twice the longest
-    assert ladder.expected_seconds(["eager", "compiled"], seen) == 210.0
-    assert ladder.cli_rungs([0, 1, 2, 5, 8, 9]) == "0-2,5,8-9" and ladder.cli_rungs([]) == "none"
+    assert plan.expected_seconds("eager", seen) == 70.0  # the longest of its kind
+    assert plan.expected_seconds("compiled", seen) == 140.0  # none of its kind yet: twice the longest
+    assert plan.cli_rungs([0, 1, 2, 5, 8, 9]) == "0-2,5,8-9" and plan.cli_rungs([]) == "none"
+    args = ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "8-10", "--check-scripts"]))
+    left = plan.jobs(args, {}, missing=False)
+    assert [job.name for job in left] == ["rung-08", "rung-09", "rung-10", "check-00_orig", "check-01_opt_single_gpu"]
+    assert plan.describe_left(left) == "rungs 8–10 and the --check-scripts runs"
     argv = ["--rungs", "0-12", "--check-scripts", "--time-limit", "540", "--out", "my results"]
-    assert ladder.continuation_command(argv, [8, 9, 10], True) == (
+    assert plan.continuation_command(argv, left, missing=False) == (
         "python bench/ladder.py --rungs 8-10 --check-scripts --time-limit 540 --out 'my results'")
-    assert ladder.continuation_command(["--rungs=0-5", "--check-scripts"], [], False) == (
-        "python bench/ladder.py --rungs none")
+    assert plan.continuation_command(["--rungs=0-5", "--check-scripts"], left[:1], missing=False) == (
+        "python bench/ladder.py --rungs 8")
+    assert plan.continuation_command(["--rungs", "missing", "--tiny"], left[:1], missing=True) == (
+        "python bench/ladder.py --rungs missing --tiny")
 
 
 class FakeClock:
@@ -718,6 +739,7 @@ def fake_clock(monkeypatch):
     """run_ladder on a fake clock and a fake CPU, without a chart: the rungs and checks are the test's fakes."""
     clock = FakeClock()
     monkeypatch.setattr(ladder, "time", clock)
+    monkeypatch.setattr(plan, "time", clock)
     monkeypatch.setattr(runner, "describe_device", lambda args: {
         "device_type": "cpu", "description": "CPU (fake)", "name": "fake cpu", "slug": "fake-cpu", "gpu_count": 0,
         "cuda": None, "torch": torch.__version__, "python": "3.11"})
@@ -729,7 +751,7 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
                                                                                   fake_clock):
     """Eager rungs take 60 s, compiled ones 150 s: with 400 s, rungs 0-2 (180 s), then rung 3 would end at 240 s,
     4 at 300 s, 5 at 360 s; rung 6 at 420 s is not started, and the command for rungs 6-10 and the checks is printed.
-    Then --rungs none --check-scripts runs only the checks, against the rows already in the folder."""
+    Then --rungs none --check-scripts runs only the checks, set beside the rows already in the folder."""
     clock = fake_clock
 
     def fake_rung(number, args, logs, timeout, limit):
@@ -739,9 +761,9 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
 
     checked = []
 
-    def fake_check(script_name, rung, args, device_info, logs, rows, timeout):
+    def fake_check(script_name, rung, args, device_info, logs, timeout):
         clock.now += 105.0
-        checked.append(sorted(row["rung"] for row in rows))
+        checked.append(script_name)
         return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
                 "tokens_per_sec_min": 980.0, "tokens_per_sec_max": 1000.0, "peak_reserved_gb": None}
 
@@ -753,13 +775,17 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
     printed = capsys.readouterr().out
     measured = json.loads((out / "ladder.json").read_text())
     assert [row["rung"] for row in measured["rungs"]] == [0, 1, 2, 3, 4, 5] and not checked
-    assert "rung 6 would end at about 7:00" in printed and "rungs 6–10 not started" in printed
+    assert "rung 6 would end at about 7:00" in printed
+    assert "rungs 6–10 and the --check-scripts runs not started" in printed
     assert ("the rest of this part is rungs 6–10 and the --check-scripts runs; measure it with:\n  python "
             f"bench/ladder.py --rungs 6-10 --tiny --check-scripts --time-limit 400 --out {out}") in printed
 
     clock.now = 0.0
     assert ladder.main(["--rungs", "none", *flags]) == 0
-    assert checked == [[0, 1, 2, 3, 4, 5]] * 2  # the folder's rows, for the checks to compare with
+    assert checked == ["00_orig.py", "01_opt_single_gpu.py"]
+    checks = json.loads((out / "ladder.json").read_text())["script_checks"]  # beside the rows already there
+    assert [(check["rung"], check["rung_tokens_per_sec"], check["script_over_rung"]) for check in checks] == [
+        (0, 1000.0, 0.99), (10, None, None)]
     assert "--time-limit: the rest" not in capsys.readouterr().out
     with pytest.raises(failures.UsageError, match="--rungs none measures nothing"):
         ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "none"]))
@@ -804,7 +830,7 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     assert ladder.main(["--rungs", "0", "--tiny", "--out", str(out)]) == 0
     assert timeouts == [(0, 900, "--rung-timeout")]
 
-    def hanging_check(script_name, rung, args, device_info, logs, rows, timeout_and_limit):  # checks can outlast it
+    def hanging_check(script_name, rung, args, device_info, logs, timeout_and_limit):  # checks can outlast it
         checks_run.append(script_name)
         if script_name == "00_orig.py" and hang == "00":
             fake_clock.now += 60.0
@@ -860,7 +886,7 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
         fake_clock.now += 100.0
         return measured(number)
 
-    def fake_check(script_name, rung, args, device_info, logs, rows, timeout):
+    def fake_check(script_name, rung, args, device_info, logs, timeout):
         ran.append(script_name)
         fake_clock.now += 150.0
         return {"script": script_name, "rung": rung, "error": None, "tokens_per_sec": 990.0,
@@ -889,14 +915,14 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
     assert ladder.main([*command, "--steps", "7"]) == 2  # measured otherwise: refused, not "nothing left"
     assert "measured otherwise" in capsys.readouterr().err
     final = json.loads((out / "ladder.json").read_text())
-    rows = {row["rung"]: row for row in final["rungs"]}
-    assert sorted(rows) == list(range(13)) and rows[4]["error"] == "boom" and rows[2]["error"] is None
+    by_rung = {row["rung"]: row for row in final["rungs"]}
+    assert sorted(by_rung) == list(range(13)) and by_rung[4]["error"] == "boom" and by_rung[2]["error"] is None
     assert [check["script"] for check in final["script_checks"]] == ["00_orig.py", "01_opt_single_gpu.py"]
 
     with_option = ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "missing", "--option",
                                                                               "chunked-loss"]))
-    assert ladder.missing_rungs(with_option, final) == ([], False)  # rungs 11-12 are not an option's
-    assert ladder.missing_rungs(with_option, None) == (list(range(11)), False)
+    assert plan.jobs(with_option, rows.read_rows(out), missing=True) == []  # rungs 11-12 are not an option's
+    assert [job.rung for job in plan.jobs(with_option, {}, missing=True)] == list(range(11))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process tree is read from Linux's /proc")

@@ -7,7 +7,7 @@ import pytest
 
 from bench import readme_tables, report, stages
 from conftest import ROOT
-from test_ladder import hand_made_part
+from test_ladder import hand_made_rows, write_rows
 
 # rung: (median tok/s or None for a failed rung, peak reserved GiB), as a GPU's ladder could give them
 SPEEDS = {0: (20_000.0, 30.1), 1: (20_050.0, 30.0), 2: (41_000.0, 30.0), 3: (43_000.0, 30.0), 4: (42_900.0, 30.0),
@@ -27,10 +27,10 @@ def stage_row(name, speed):
 
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
-    """A results folder as a GPU session leaves it: ladder.json from two parts' rows, stages/stages.json from
-    bench/stages.py itself (its runs faked)."""
+    """A results folder as a GPU session leaves it: the ladder's rows, and the stages' rows from bench/stages.py
+    itself (its runs faked)."""
     out = tmp_path / "nvidia-x"
-    report.write_report(report.merge(None, hand_made_part(SPEEDS)), out, chart=False)
+    write_rows(out, hand_made_rows(SPEEDS))
     speeds = {"00": 20_500.0, "01-cold": 301_000.0, "01-warm": 303_000.0, "02": 299_000.0}
     monkeypatch.setattr(stages, "measure", lambda name, args, where: stage_row(name, speeds[name]))
     monkeypatch.setattr(stages, "describe_device", lambda args: {
@@ -79,13 +79,11 @@ def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, 
 
 
 def test_a_ladder_at_other_settings_is_refused(folder, readme, capsys):
-    ladder = json.loads((folder / "ladder.json").read_text())
-    ladder["settings"]["batch_size"] = 8
-    (folder / "ladder.json").write_text(json.dumps(ladder))
+    write_rows(folder, hand_made_rows(SPEEDS, "2026-01-02 00:00:00 UTC", batch_size=8))  # newer: the header's
     before = readme.read_text(encoding="utf-8")
     assert readme_tables.main([str(folder), "--readme", str(readme)]) == 2
     assert "measured with --batch-size 8" in capsys.readouterr().err and readme.read_text(encoding="utf-8") == before
-    assert readme_tables.main([str(folder / "stages"), "--readme", str(readme)]) == 2  # no ladder.json there
+    assert readme_tables.main([str(folder / "stages"), "--readme", str(readme)]) == 2  # no ladder rows there
 
 
 def test_the_readme_shows_no_gpu_figure_or_those_of_the_folder_it_names():

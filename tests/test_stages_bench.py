@@ -35,7 +35,7 @@ def test_01_cold_then_warm_compile_cache_and_the_tables(tmp_path):
     table = (out / "stages.md").read_text()
     assert "| 01-cold | `python 01_opt_single_gpu.py --tiny" in table and "| 01-warm |" in table, table
     assert "| run | whole command | start-up | compilation | training | evaluation | sampling |" in table, table
-    assert result.stdout.rstrip().endswith("stages.json and logs/")
+    assert result.stdout.rstrip().endswith("stages.json, rows/ and logs/")
 
 
 def test_the_commands_are_the_ones_a_user_types(tmp_path):
@@ -88,14 +88,17 @@ def test_commands_into_one_folder_fill_one_table(tmp_path, monkeypatch):
     assert [(row["run"], row["command"]) for row in report["runs"]] == [
         ("00", "the command of 00 #4"), ("01-cold", "the command of 01-cold #1"),
         ("01-warm", "the command of 01-warm #2"), ("02", "the command of 02 #5")]
-    assert [part["runs"] for part in report["parts"]] == [["01-cold", "01-warm", "02"], ["00"], ["02"]]
+    assert [part["runs"] for part in report["parts"]] == [["01-cold", "01-warm"], ["00"], ["02"]]  # 02 measured again
+    assert sorted(path.name for path in (out / "rows").iterdir()) == [f"{name}.json" for name in stages.RUNS]
     table = (out / "stages.md").read_text()
     assert table.count("python bench/stages.py --runs") == 3 and table.index("#4") < table.index("#1"), table
 
-    report["torch"] = "1.0.0"
-    (out / "stages.json").write_text(json.dumps(report))
+    row = json.loads((out / "rows" / "02.json").read_text())
+    row["context"]["torch"] = "1.0.0"
+    (out / "rows" / "02.json").write_text(json.dumps(row))
+    before = (out / "stages.json").read_bytes()
     assert stages.main(["--runs", "00", *flags]) == 2
-    assert json.loads((out / "stages.json").read_text())["torch"] == "1.0.0" and len(measured) == 5
+    assert (out / "stages.json").read_bytes() == before and len(measured) == 5
 
 
 def test_runs_missing_goes_on_where_the_folder_stopped(tmp_path, monkeypatch, capsys):
@@ -117,8 +120,8 @@ def test_runs_missing_goes_on_where_the_folder_stopped(tmp_path, monkeypatch, ca
     capsys.readouterr()
     assert stages.main(["--runs", "missing", *flags]) == 0 and len(measured) == 4
     assert "nothing left to run" in capsys.readouterr().out
-    assert stages.missing_runs({"runs": [{"run": "00"}, {"run": "01-cold"}]}) == ["01-cold", "01-warm", "02"]
-    assert stages.missing_runs({"runs": []}) == list(stages.RUNS)
+    assert stages.missing_runs({"00": {}, "01-cold": {}}) == ["01-cold", "01-warm", "02"]
+    assert stages.missing_runs({}) == list(stages.RUNS)
 
 
 @pytest.mark.parametrize("runs, message", [("01-warm", "01-warm reuses the compile cache"),

@@ -1,0 +1,76 @@
+"""A results folder as a folder of rows: what the ladder and bench/stages.py have measured is the files in rows/.
+
+Each measured item (a rung, a --check-scripts run, a stage run) is one JSON file, `rows/<name>.json`, written
+atomically as the item ends. It carries everything needed to read it alone: its figures, where it was measured
+(device, driver, CUDA, PyTorch, Python), with which settings, and by which command (its start time, command line and
+code revision). So there is nothing to merge and nothing to remember between commands:
+
+- a command that measures part of a table writes its rows beside the others: the table is whatever rows are there;
+- what is missing is what has no file; measuring an item again replaces its file; a run cut off writes none;
+- a command measured otherwise (another GPU or PyTorch, other settings) is refused before it writes, by comparing its
+  context with each row's, so that every table compares like with like;
+- ladder.md / ladder.json / ladder.png (bench/report.py) and stages.md / stages.json (bench/stages.py) are always
+  rendered again from the rows present.
+"""
+
+import json
+from pathlib import Path
+
+from data import UsageError, files
+
+FOLDER = "rows"
+MISSING = "missing"  # --rungs / --runs missing: the items without a row file
+
+
+def write_row(folder, name, row):
+    """rows/<name>.json in `folder`, replacing the one an earlier command wrote (atomically: a reader sees either)."""
+    files.write_atomically(Path(folder) / FOLDER / f"{name}.json",
+                           (json.dumps(row, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+
+
+def read_rows(folder):
+    """{name: row} of every row file in `folder`, in name order; a UsageError naming a file that is not a row."""
+    found = {}
+    for path in sorted((Path(folder) / FOLDER).glob("*.json")):
+        try:
+            row = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(row.get("context"), dict):
+                raise ValueError("it has no context")
+        except (OSError, ValueError, AttributeError) as err:
+            raise UsageError(f"{path} is not a row of this folder ({err}): move it away") from None
+        found[path.stem] = row
+    return found
+
+
+def differences(there, here, matched):
+    """What differs between two contexts, as 'what: X there, Y here'; `matched` maps each compared key (a dotted
+    path such as 'settings.steps') to the name a user knows it by."""
+    def value(context, key):
+        for part in key.split("."):
+            context = (context or {}).get(part)
+        return context
+
+    def shown(key, item):
+        return ("the stages' own" if key.endswith("batch_size") else "none") if item is None else str(item)
+
+    return [f"{name}: {shown(key, value(there, key))} there, {shown(key, value(here, key))} here"
+            for key, name in matched.items() if value(there, key) != value(here, key)]
+
+
+def refuse_a_different_part(found, context, matched, folder, what):
+    """A UsageError when `context`, that of the command about to measure, differs from a row's already in `folder`."""
+    for name, row in found.items():
+        differ = differences(row["context"], context, matched)
+        if differ:
+            raise UsageError(f"{Path(folder) / FOLDER / name}.json holds {what} measured otherwise ({'; '.join(differ)})"
+                             ": a table holds only rows measured alike; run with the same settings or choose another "
+                             "--out")
+
+
+def commands(found):
+    """The commands that measured the rows, oldest first: {'started_at', 'command', 'git', 'rows': [names]}."""
+    by_command = {}
+    for name, row in found.items():
+        command = row["context"]["command"]
+        by_command.setdefault((command["started_at"], command["command"]), {**command, "rows": []})["rows"].append(name)
+    return [by_command[key] for key in sorted(by_command)]
