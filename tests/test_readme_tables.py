@@ -1,11 +1,10 @@
 """bench/readme_tables.py: a results folder's figures go into the README by a command, never by hand, and the README
 either shows no GPU figure at all or exactly those of the folder it names."""
 
-import json
 
 import pytest
 
-from bench import readme_tables, report, stages
+from bench import readme_tables, stages
 from conftest import ROOT
 from test_ladder import hand_made_rows, write_rows
 
