@@ -5,7 +5,6 @@ GPUs.
 
 import functools
 import os
-import platform
 import re
 
 from data import UsageError

@@ -84,11 +84,6 @@ def cut_at_the_limit(result):
     return result.pop("timed_out", None) == "--time-limit"
 
 
-def cli_rungs(numbers):
-    """Rung numbers as --rungs takes them: [0, 1, 2, 5] -> '0-2,5'; [] -> 'none'."""
-    return report.rung_ranges(numbers, dash="-", separator=",") or "none"
-
-
 def describe_left(left):
     """The jobs not measured, in words: 'rungs 6–10 and the --check-scripts runs'."""
     numbers = [job.rung for job in left if job.script is None]
@@ -111,8 +106,8 @@ def continuation_command(argv, left, missing):
             skip_value = True
         elif not (arg.startswith("--rungs=") or arg == "--check-scripts" and not checks_left):
             kept.append(arg)
-    numbers = [job.rung for job in left if job.script is None]
-    return shlex.join(["python", "bench/ladder.py", "--rungs", cli_rungs(numbers), *kept])
+    numbers = report.rung_ranges((job.rung for job in left if job.script is None), dash="-", separator=",")
+    return shlex.join(["python", "bench/ladder.py", "--rungs", numbers or "none", *kept])
 
 
 def format_duration(seconds):

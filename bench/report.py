@@ -251,10 +251,6 @@ def find_roofline(out, explicit, device_name, settings, say=print):
 
 def attach_ceilings(report, roofline):
     """Each row's ceiling and measured / ceiling, or no such keys at all without a roofline."""
-    report.pop("roofline", None)
-    for row in report["rungs"]:
-        row.pop("ceiling_tok_per_sec", None)
-        row.pop("fraction_of_ceiling", None)
     if roofline is None:
         return
     path = Path(roofline["path"]).resolve()

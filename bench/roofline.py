@@ -34,7 +34,6 @@ if str(ROOT) not in sys.path:
 import checkpoints  # noqa: E402  (needs the path above)
 import cli  # noqa: E402
 import failures
-import utilization
 from data import files  # noqa: E402
 from bench.scaling import accumulated  # noqa: E402
 from bench.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402

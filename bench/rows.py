@@ -1,16 +1,11 @@
-"""A results folder as a folder of rows: what the ladder and bench/stages.py have measured is the files in rows/.
+"""A results folder as a folder of rows: what the ladder and bench/stages.py measured is the files in rows/.
 
 Each measured item (a rung, a --check-scripts run, a stage run) is one JSON file, `rows/<name>.json`, written
-atomically as the item ends. It carries everything needed to read it alone: its figures, where it was measured
-(device, driver, CUDA, PyTorch, Python), with which settings, and by which command (its start time, command line and
-code revision). So there is nothing to merge and nothing to remember between commands:
-
-- a command that measures part of a table writes its rows beside the others: the table is whatever rows are there;
-- what is missing is what has no file; measuring an item again replaces its file; a run cut off writes none;
-- a command measured otherwise (another GPU or PyTorch, other settings) is refused before it writes, by comparing its
-  context with each row's, so that every table compares like with like;
-- ladder.md / ladder.json / ladder.png (bench/report.py) and stages.md / stages.json (bench/stages.py) are always
-  rendered again from the rows present.
+atomically as the item ends, with its figures and its context: where (device, driver, CUDA, PyTorch, Python), with
+which settings, and by which command (start time, command line, code revision). A part of a table is whatever rows
+are there; missing is what has no file; measuring again replaces one file; a run cut off writes none; a command
+measured otherwise is refused by comparing its context with each row's. ladder.md/json/png (bench/report.py) and
+stages.md/json (bench/stages.py) are rendered from the rows present.
 """
 
 import json

@@ -35,12 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "bench" / "ladder.py"
 
 FAIL_HOOK_VARIABLE = "LADDER_FAIL_RUNG"
-
-
 REAL_VOCAB_SIZE = 50257  # GPT-2's tokenizer: MFU counts useful work, not the padded vocabulary rows
-
-# Steps and timing windows; --steps, --warmup and --windows override them.
-
 
 # What a stage script's run folder keeps once the rung is measured: its checkpoint (2 GB at full size, far more
 # for the larger models) is only the price of running the script as it is.
@@ -294,8 +289,6 @@ def describe_device(args):
 
 # A line that says what went wrong: an exception, or a stage's one-line message; torchrun's own report of a failed
 # child (ChildFailedError and a framed summary) comes after the child's line and says less.
-
-
 ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception)\b(?<!ChildFailedError)|^error:|^training failed:")
 
 

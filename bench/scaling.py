@@ -22,7 +22,6 @@ if str(ROOT) not in sys.path:
 
 import cli  # noqa: E402  (needs the path above)
 import failures
-import utilization
 
 # Each GPU's link to the others, GB/s in one direction (the all-reduce sends and receives at once).
 LINKS_GB_PER_S = {

@@ -79,8 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the plumbing modules and bench.rungs, wherever the script is started from
 
-import devices  # noqa: E402
-import failures
+import failures  # noqa: E402
 import utilization
 from inspection import WORK_CLASSES, WORK_LABELS  # noqa: E402
 
