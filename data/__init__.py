@@ -1,7 +1,14 @@
 """Stage-independent plumbing shared by the stage scripts: the corpus, its token shards and the tokenizer."""
 
 from data.corpus import CORPORA, UsageError, load_text
-from data.shards import load_corpus
 from data.tokenizer import get_tokenizer
 
 __all__ = ["CORPORA", "UsageError", "get_tokenizer", "load_corpus", "load_text"]
+
+
+def load_corpus(name_or_path, cache_dir=None):
+    """The corpus of --data (data.prepare.load_corpus), imported at the first call so that `python -m data.prepare`
+    does not import itself through this package before it runs."""
+    from data.prepare import load_corpus as prepared_corpus
+
+    return prepared_corpus(name_or_path, cache_dir)

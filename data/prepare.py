@@ -15,10 +15,15 @@ tokenizer, each shard's tokens, the sources with their sizes, the split.
 Everything is written into DIR.partial and moved to DIR only when whole, so a run never reads a half-written shard
 and a failed preparation never replaces a good DIR. An interrupted preparation run again with the same sources and
 settings keeps the chunks it finished and goes on; with others it starts clean.
+
+`load_corpus` is the one data path of the stages: a prepared folder is opened as it is (data.shards); a named corpus
+or a text file is prepared once into the cache here, under a lock that one process of a launch holds while the
+others wait, and then opened the same way.
 """
 
 import argparse
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
@@ -30,9 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import ENDOFTEXT, UsageError
+from data.corpus import CORPORA, ENDOFTEXT, UsageError, cache_folder, cached_text_path, check_text_source
 from data.files import save_atomically, write_atomically
-from data.shards import DESCRIPTION, DTYPE, FORMAT, TOKENIZER, VOCAB_SIZE, locked
+from data.shards import (DEFAULT_VAL_FRACTION, DESCRIPTION, DTYPE, FORMAT, TOKENIZER, VOCAB_SIZE, is_prepared,
+                         open_prepared)
 
 TEXT_SUFFIXES = {".txt"}
 JSONL_SUFFIXES = {".jsonl"}
@@ -215,7 +221,7 @@ class Progress:
 
 def prepare(arguments, out, workers=None, val_fraction=0.1, chunk_mb=32, quiet=False, command=None, lock=True):
     """Prepare the sources into folder `out` (see the module's docstring); returns the description. `lock=False`:
-    the caller already holds data.shards.locked(out)."""
+    the caller already holds locked(out)."""
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     out = Path(out)
@@ -353,6 +359,50 @@ def swap_in(work, out):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(work, out)
+
+
+def load_corpus(name_or_path, cache_dir=None):
+    """The corpus of --data, memory-mapped: a prepared folder as it is; a named corpus or a text file prepared once
+    into the cache (the book's split: the last 10% of the text validates)."""
+    if Path(name_or_path).is_dir():
+        return open_prepared(name_or_path)
+    if name_or_path in CORPORA:
+        source = cached_text_path(name_or_path, cache_dir)
+        folder = source.with_suffix(".tokens")
+    else:
+        check_text_source(name_or_path)
+        source = Path(name_or_path).resolve()
+        stat = source.stat()
+        key = hashlib.sha1(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        folder = cache_folder(cache_dir) / f"{source.stem}-{key}.tokens"
+    if not is_prepared(folder) and not os.access(folder.parent, os.W_OK):
+        folder = cache_folder() / folder.name  # a read-only checkout that ships the text: the user's cache
+    if not is_prepared(folder):
+        with locked(folder):
+            if not is_prepared(folder):  # another process of this launch may have prepared it meanwhile
+                print(f"Preparing {name_or_path} once: tokenizing into {folder} (later runs map it)", flush=True)
+                workers = max(1, min(os.cpu_count() or 1, source.stat().st_size // (32 << 20)))
+                prepare([source], folder, workers, DEFAULT_VAL_FRACTION, quiet=workers == 1, lock=False)
+    return open_prepared(folder)
+
+
+@contextlib.contextmanager
+def locked(folder):
+    """Hold an exclusive lock beside `folder` (where the platform has flock): one process of a launch prepares,
+    the others wait for it."""
+    lock_path = Path(folder).parent / f".{Path(folder).name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock: each process may prepare; the last rename wins, every result is whole
+        yield
+        return
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def main(argv=None):

@@ -5,21 +5,18 @@ lists: raw little-endian uint16 token ids, the training split's shards then the 
 the description, checks it against the shards (cheap: sizes and counts, never the contents), and maps the shards:
 the tokens a process reads are the windows it trains on, so start-up and memory do not grow with the corpus.
 
-`load_corpus` is the one data path of the stages: a prepared folder is opened as it is; a named corpus or a text
-file is prepared once into the cache and then opened the same way.
+The stages open their corpus through data.prepare.load_corpus, which prepares a named corpus or a text file first.
 """
 
 import bisect
-import hashlib
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CORPORA, UsageError, cache_folder, cached_text_path, check_text_source
+from data.corpus import UsageError, check_text_source
 
 DESCRIPTION = "corpus.json"
 FORMAT = "fast-gpt2 token shards"
@@ -156,49 +153,3 @@ def check_data_source(name_or_path):
         read_description(name_or_path)
     else:
         check_text_source(name_or_path)
-
-
-def load_corpus(name_or_path, cache_dir=None):
-    """The corpus of --data, memory-mapped: a prepared folder as it is; a named corpus or a text file prepared once
-    into the cache (the book's split: the last 10% of the text validates)."""
-    if Path(name_or_path).is_dir():
-        return open_prepared(name_or_path)
-    if name_or_path in CORPORA:
-        source = cached_text_path(name_or_path, cache_dir)
-        folder = source.with_suffix(".tokens")
-    else:
-        check_text_source(name_or_path)
-        source = Path(name_or_path).resolve()
-        stat = source.stat()
-        key = hashlib.sha1(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        folder = cache_folder(cache_dir) / f"{source.stem}-{key}.tokens"
-    if not is_prepared(folder) and not os.access(folder.parent, os.W_OK):
-        folder = cache_folder() / folder.name  # a read-only checkout that ships the text: the user's cache
-    if not is_prepared(folder):
-        from data.prepare import prepare
-
-        with locked(folder):
-            if not is_prepared(folder):  # another process of this launch may have prepared it meanwhile
-                print(f"Preparing {name_or_path} once: tokenizing into {folder} (later runs map it)", flush=True)
-                workers = max(1, min(os.cpu_count() or 1, source.stat().st_size // (32 << 20)))
-                prepare([source], folder, workers, DEFAULT_VAL_FRACTION, quiet=workers == 1, lock=False)
-    return open_prepared(folder)
-
-
-@contextmanager
-def locked(folder):
-    """Hold an exclusive lock beside `folder` (where the platform has flock): one process of a launch prepares,
-    the others wait for it."""
-    lock_path = Path(folder).parent / f".{Path(folder).name}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # no flock: each process may prepare; the last rename wins, every result is whole
-        yield
-        return
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -17,7 +17,8 @@ import torch
 from conftest import ROOT
 from data import UsageError, get_tokenizer, load_text
 from data.prepare import FAIL_HOOK, main as prepare_main, prepare
-from data.shards import DESCRIPTION, load_corpus, open_prepared
+from data.prepare import load_corpus
+from data.shards import DESCRIPTION, open_prepared
 
 EOT = 50256
 
