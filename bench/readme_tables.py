@@ -43,9 +43,6 @@ LADDER_PLACEHOLDER = ("**Measured here:** no GPU run yet. `python bench/readme_t
                       "the ladder of a results folder into this column and its stages into [Results](#results).")
 STAGES_PLACEHOLDER = ("**The stages end to end on a GPU:** no GPU run yet (`python bench/stages.py`, then "
                       "`python bench/readme_tables.py bench/results/<gpu>`).")
-SHORT = {0: "the baseline", 1: "mask on the fly", 2: "TF32", 3: "fused AdamW", 4: "pinned memory",
-         5: "autocast", 6: "nn.LayerNorm/GELU", 7: "SDPA", 8: "torch.compile", 9: "vocabulary 50,304",
-         10: "batch 32", 11: "DDP", 12: "FSDP2"}
 
 
 def shown_folder(folder):
@@ -121,8 +118,8 @@ def ladder_paragraph(ladder, folder):
         sentences.append(f"All ten steps: {measured[10]['tokens_per_sec'] / measured[0]['tokens_per_sec']:.2f}× "
                          "step 0 (the original tutorial: 11.35× on its A100)"
                          + (f"; step 10 at {mfu:.1%} MFU." if mfu is not None else "."))
-    idle = [f"step {number} ({SHORT[number]}) {row['speedup_vs_previous']:.2f}×" for number, row in sorted(
-        measured.items()) if number in STEPS and row.get("speedup_vs_previous") and row["speedup_vs_previous"] < PAYS]
+    idle = [f"step {number} ({report.SHORT_NAMES[number]}) {row['speedup_vs_previous']:.2f}×" for number, row
+            in sorted(measured.items()) if number in STEPS and 0 < (row.get("speedup_vs_previous") or 0) < PAYS]
     if idle:
         sentences.append(f"Did not pay on this GPU (under {PAYS - 1:.0%} over the step above): {', '.join(idle)}.")
     failed = [f"{'step' if number in STEPS else 'rung'} {number}" for number, row in sorted(rows.items())
@@ -133,8 +130,8 @@ def ladder_paragraph(ladder, folder):
     for number in (11, 12):
         if number in measured:
             gpus = measured[number].get("world_size") or 1
-            beyond.append(f"rung {number} ({SHORT[number]}, `{'02' if number == 11 else '03'}` on {gpus} "
-                          f"GPU{'s' if gpus > 1 else ''}) {measured[number]['tokens_per_sec']:,.0f} tok/s"
+            beyond.append(f"rung {number} ({report.SHORT_NAMES[number]} on {gpus} GPU{'s' if gpus > 1 else ''}) "
+                          f"{measured[number]['tokens_per_sec']:,.0f} tok/s"
                           + ratio(measured[number], "rung"))
     if beyond:
         sentences.append("Beyond the table: " + "; ".join(beyond) + ".")

@@ -60,7 +60,7 @@ def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, 
     assert ("Did not pay on this GPU (under 2% over the step above): step 1 (mask on the fly) 1.00×, step 4 "
             "(pinned memory) 1.00×.") in paragraph  # step 3 paid; the failed step 6 is named as failed
     assert "Failed: step 6" in paragraph
-    assert "rung 11 (DDP, `02` on 1 GPU) 297,000 tok/s (0.99×)" in paragraph
+    assert "rung 11 (DDP (02) on 1 GPU) 297,000 tok/s (0.99×)" in paragraph
     results = readme_tables.block(text, readme_tables.STAGES_BLOCK)
     assert ("| 01-warm | `python 01_opt_single_gpu.py` | 303,000 | 41.2% | 15.87 | 6.200 | 50.0 | 4.0 | 30.5 | 12.0 "
             "| 2.0 | 0.5 | 1.0 |") in results
