@@ -271,8 +271,8 @@ def run_ladder(args):
             break
         durations.append(time.monotonic() - started)
         seconds_by_kind.setdefault(job.kind, []).append(durations[-1])
-        if plan.cut_at_the_limit(result) and done:  # the first run of a command keeps its failed row: no command
-            left = planned[index - 1:]                # would ever measure it otherwise
+        if result.pop("timed_out", None) == "--time-limit" and done:  # stopped at the limit; the first run of a
+            left = planned[index - 1:]  # command keeps its failed row instead: no command would ever measure it
             print(f"--time-limit {args.time_limit} s: {job.label.split(':')[0]} was stopped at the limit after "
                   f"{plan.format_duration(durations[-1])}, longer than judged: no row; it starts the next part, with "
                   "the whole limit to itself", flush=True)

@@ -79,11 +79,6 @@ def run_timeout(rung_timeout, deadline):
     return (left, "--time-limit") if left < rung_timeout else (rung_timeout, "--rung-timeout")
 
 
-def cut_at_the_limit(result):
-    """Whether a run was stopped at --time-limit's deadline."""
-    return result.pop("timed_out", None) == "--time-limit"
-
-
 def describe_left(left):
     """The jobs not measured, in words: 'rungs 6–10 and the --check-scripts runs'."""
     numbers = [job.rung for job in left if job.script is None]

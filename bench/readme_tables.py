@@ -26,10 +26,9 @@ if str(ROOT) not in sys.path:
 
 import cli  # noqa: E402  (needs the path above; imports no torch)
 import failures
-import timekeeping
 from bench import report, rows  # noqa: E402
-from bench.stages import cell  # noqa: E402  (the stages' own table cells: n/a for a missing figure)
 from bench.stages import collect as stage_collect  # noqa: E402
+from bench.stages import tables as stage_tables  # noqa: E402
 from data import UsageError  # noqa: E402
 
 README = ROOT / "README.md"
@@ -144,23 +143,7 @@ def stages_section(stages, folder):
     lines = [f"**The stages end to end** on the {stages['device']}, PyTorch {stages['torch']}, CUDA "
              f"{stages.get('cuda') or 'n/a'}, {dates[0] if dates[0] == dates[-1] else f'{dates[0]} to {dates[-1]}'}, "
              f"by `bench/stages.py` into `{shown_folder(folder)}/stages/` (its `stages.md` has the commands and "
-             "the logs). Each run with the stage's own defaults; Avg tok/sec leaves out the first log interval; "
-             "memory in GiB at the end of the run; wall clock in seconds.", "",
-             "| run | command | Avg tok/sec | MFU | reserved GiB | final val loss | whole command | "
-             + " | ".join(timekeeping.WALL_CLOCK_PHASES) + " |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in timekeeping.WALL_CLOCK_PHASES)
-             + " |"]
-    for row in stages["runs"]:
-        if row.get("error"):
-            lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} |" + " |" * (
-                4 + len(timekeeping.WALL_CLOCK_PHASES)))
-            continue
-        split = row.get("wall_clock_s") or {}
-        lines.append(f"| {row['run']} | `{row['command']}` | {cell(row.get('avg_tok_per_sec'), ',.0f')} | "
-                     f"{'n/a' if row.get('mfu') is None else format(row['mfu'], '.1%')} | "
-                     f"{cell(row.get('reserved_gb'), '.2f')} | {cell(row.get('final_val_loss'), '.3f')} | "
-                     f"{cell(row.get('command_seconds'), '.1f')} | "
-                     + " | ".join(cell(split.get(phase), ".1f") for phase in timekeeping.WALL_CLOCK_PHASES) + " |")
+             "the logs). Each run with the stage's own defaults.", "", *stage_tables(stages)]
     speeds = {name: row.get("avg_tok_per_sec") for name, row in runs.items() if not row.get("error")}
     against = [f"{later} over {earlier}: {speeds[later] / speeds[earlier]:.3f}× ({target})"
                for later, earlier, target in (("01-warm", "00", "target: at least 12×"),

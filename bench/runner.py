@@ -302,7 +302,7 @@ def failure_from_output(code, tail, timeout, limit="--rung-timeout"):
 
 
 def timed_out(timeout, limit):
-    """The row of a run stopped at its timeout; `limit` names the flag that set it (kept until cut_at_the_limit)."""
+    """The row of a run stopped at its timeout; `limit` names the flag that set it (the ladder pops it)."""
     return {"error": failure_from_output(None, [], timeout, limit), "timed_out": limit}
 
 

@@ -143,15 +143,10 @@ def cell(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
-def render_markdown(report):
-    lines = [f"# The stages end to end on {report['device']}", "",
-             f"PyTorch {report['torch']}, CUDA {report['cuda'] or '-'}, driver {report['driver'] or '-'}, Python "
-             f"{report['python']}; measured by " + "; then ".join(
-                 f"`{part['command']}` ({part['date']}, commit {part['git'] or '-'}: {', '.join(part['runs'])})"
-                 for part in report["parts"]), "",
-             "| run | command | steps | batch | Avg tok/sec | MFU | reserved GiB | peak reserved GiB (first interval's) "
-             "| final val loss |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def tables(report):
+    """The two tables of a stages report, as Markdown lines: each run's figures, then its wall clock."""
+    lines = ["| run | command | steps | batch | Avg tok/sec | MFU | reserved GiB | peak reserved GiB (first interval's) "
+             "| final val loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
         if row["error"]:
             lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} | | | | | | |")
@@ -169,10 +164,17 @@ def render_markdown(report):
         split = row.get("wall_clock_s") or {}
         lines.append(f"| {row['run']} | {row['command_seconds']:.1f} | "
                      + " | ".join(cell(split.get(phase), '.1f') for phase in PHASES) + " |")
-    lines += ["", "01-cold compiled into an empty cache, 01-warm into the cache 01-cold filled; 00 and 02 each had "
-                  "an empty one. Avg tok/sec leaves out each run's first log interval (warm-up and compilation); "
-                  "memory is in GiB, reserved at the end of the run and its peak."]
-    return "\n".join(lines) + "\n"
+    return lines + ["", "01-cold compiled into an empty cache, 01-warm into the cache 01-cold filled; 00 and 02 each "
+                        "had an empty one. Avg tok/sec leaves out each run's first log interval (warm-up and "
+                        "compilation); memory is in GiB, reserved at the end of the run and its peak."]
+
+
+def render_markdown(report):
+    return "\n".join([f"# The stages end to end on {report['device']}", "",
+                      f"PyTorch {report['torch']}, CUDA {report['cuda'] or '-'}, driver {report['driver'] or '-'}, "
+                      f"Python {report['python']}; measured by " + "; then ".join(
+                          f"`{part['command']}` ({part['date']}, commit {part['git'] or '-'}: "
+                          f"{', '.join(part['runs'])})" for part in report["parts"]), "", *tables(report)]) + "\n"
 
 
 def missing_runs(found):
