@@ -207,14 +207,6 @@ def measure(job, args, device_info, logs, timeout):
     return runner.run_single_process_rung(job.rung, args, logs, *timeout)
 
 
-def as_row(job, result, seconds, context):
-    if job.script:
-        log = f"logs/script-{Path(job.script).stem}.log"
-        return {**result, "seconds": round(seconds, 1), "measured_at": report.timestamp(), "log": log,
-                "context": context}
-    return report.complete_row(result, seconds, f"logs/{job.name}.log", context)
-
-
 def run_ladder(args):
     from data import load_corpus
 
@@ -277,7 +269,7 @@ def run_ladder(args):
                   f"{plan.format_duration(durations[-1])}, longer than judged: no row; it starts the next part, with "
                   "the whole limit to itself", flush=True)
             break
-        row = as_row(job, result, durations[-1], context)
+        row = report.complete_row(result, durations[-1], job.log, context)
         rows.write_row(out, job.name, row)
         report.write_report(report.collect(rows.read_rows(out)), out, roofline, chart=False)
         done.append(row)

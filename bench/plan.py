@@ -11,12 +11,13 @@ import math
 import shlex
 import time
 from collections import namedtuple
+from pathlib import Path
 
 from bench import report
 
 # One row to measure: its file's name, what the progress lines call it, its kind (for --time-limit), the rung it
-# belongs to, and the --check-scripts script it runs (None for a rung).
-Job = namedtuple("Job", "name label kind rung script")
+# belongs to, the --check-scripts script it runs (None for a rung) and its log.
+Job = namedtuple("Job", "name label kind rung script log")
 
 
 def script_checks():
@@ -43,13 +44,13 @@ def jobs(args, found, missing):
         composed_only = bool(set(args.option) - SCRIPT_OPTIONS)  # as --rungs all would: no 11-12 with such an option
         numbers = [number for number in ALL_RUNGS if not (composed_only and number >= 11)
                    and report.rung_row_name(number) not in found]
-    planned = [Job(report.rung_row_name(number), f"rung {number}: {CHANGES[number]}", rung_kind(number), number, None)
-               for number in numbers]
+    planned = [Job(report.rung_row_name(number), f"rung {number}: {CHANGES[number]}", rung_kind(number), number, None,
+                   f"logs/rung-{number:02d}.log") for number in numbers]
     for script, rung in script_checks() if args.check_scripts else ():
         if (missing or not args.rungs) and report.check_row_name(script) in found:
             continue
         planned.append(Job(report.check_row_name(script), f"the --check-scripts run of {script}", rung_kind(rung),
-                           rung, script))
+                           rung, script, f"logs/script-{Path(script).stem}.log"))
     return planned
 
 

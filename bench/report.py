@@ -84,9 +84,12 @@ def check_row_name(script_name):
 
 def complete_row(row, seconds, log, context):
     """A rung's result as its row file keeps it: the documented keys first, then the details, the reference figures,
-    how long it took, its log, and the context it was measured in (device, versions, settings, command)."""
+    how long it took, its log, and the context it was measured in (device, versions, settings, command); a
+    --check-scripts run's result as it is, with the last three."""
     from bench.rungs import CHANGES
 
+    if "script" in row:
+        return {**row, "seconds": round(seconds, 1), "measured_at": timestamp(), "log": log, "context": context}
     number = row["rung"]
     full = {key: row.get(key) for key in ROW_KEYS}
     full["change"] = CHANGES[number]

@@ -7,8 +7,7 @@ __all__ = ["CORPORA", "UsageError", "get_tokenizer", "load_corpus", "load_text"]
 
 
 def load_corpus(name_or_path, cache_dir=None):
-    """The corpus of --data (data.prepare.load_corpus), imported at the first call so that `python -m data.prepare`
-    does not import itself through this package before it runs."""
+    """data.prepare.load_corpus, imported here at the first call: `python -m data.prepare` must not import itself."""
     from data.prepare import load_corpus as prepared_corpus
 
     return prepared_corpus(name_or_path, cache_dir)
