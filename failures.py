@@ -3,6 +3,7 @@
 The stages raise these; failures.run(main) turns them into one line on stderr and the documented exit code.
 """
 
+import atexit
 import gc
 import os
 import signal
@@ -14,6 +15,9 @@ from data import UsageError
 __all__ = ["UsageError", "TrainingError", "OutputError", "NothingToTrain", "Interrupted", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# At exit, every object is left out of the interpreter's last garbage collections: over PyTorch's objects they took
+# about a second of each run's exit (whatever is still alive is freed with the process).
+atexit.register(gc.freeze)
 resume_hint = None  # the command that continues this run, for an interrupt's message (cli.resolve_settings sets it)
 
 
@@ -78,13 +82,6 @@ def _lost_a_peer(err):
 
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes the README lists (section "Exit codes")."""
-    try:
-        return _exit_code(main)
-    finally:  # the interpreter's last collections over PyTorch's many objects took ~1 s of each run's exit
-        gc.freeze()
-
-
-def _exit_code(main):
     try:
         main()
     except UsageError as err:
