@@ -225,8 +225,9 @@ def run_ladder(args):
     missing = args.rungs == MISSING
     planned = plan.jobs(args, found, missing)
     if not planned:
-        print(f"--rungs missing: nothing left to measure: {out / rows.FOLDER} holds every rung"
-              + (" and every --check-scripts run" if args.check_scripts else ""), flush=True)
+        held = ["every rung"] * missing + ["every --check-scripts run"] * args.check_scripts
+        print(f"--rungs {MISSING if missing else 'none'}: nothing left to measure: {out / rows.FOLDER} holds "
+              f"{' and '.join(held)}", flush=True)
         return failures.EXIT_OK
     roofline = report.find_roofline(out, args.roofline, device_info["name"], context["settings"])
     logs = out / "logs"
@@ -277,7 +278,7 @@ def run_ladder(args):
               f"{plan.format_duration(durations[-1])}: {runner.summarize(row)} | elapsed "
               f"{plan.format_duration(time.monotonic() - clock_start)}", flush=True)
 
-    table = report.collect(rows.read_rows(out)) if (out / rows.FOLDER).exists() else None
+    table = report.collect(found) if (found := rows.read_rows(out)) else None
     if table:
         markdown = report.write_report(table, out, roofline)
         measured = sum(1 for row in done if row.get("tokens_per_sec"))
