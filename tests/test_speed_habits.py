@@ -125,12 +125,19 @@ def compiled_frames(stderr):
     return [(int(frame), int(attempt), name) for frame, attempt, name in COMPILE_ID.findall(stderr)]
 
 
+def half_text(small_text, folder):
+    """The first half of the small text: 15 steps of 2 x 4 sequences per epoch, a validation split of 14 windows."""
+    path = folder / "half.txt"
+    path.write_text(small_text.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    return path
+
+
 def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text, tmp_path):
     # 2 epochs (two samples, train -> eval -> train switches), every validation batch (the last one is short),
     # 2 micro-batches of 4 per step: the step runs the compiled graph twice, at the same shapes
     result = subprocess.run(
-        [sys.executable, "01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", tmp_path,
-         "--epochs", "2", "--max-steps", "70", "--eval-freq", "30", "--eval-iter", "100", "--grad-accum-steps", "2"],
+        [sys.executable, "01_opt_single_gpu.py", "--tiny", "--data", half_text(small_text, tmp_path), "--out",
+         tmp_path / "run", "--epochs", "2", "--eval-freq", "10", "--eval-iter", "100", "--grad-accum-steps", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "TORCH_LOGS": "recompiles,dynamo", "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -141,11 +148,12 @@ def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text
     assert all(attempt == 0 for _, attempt, _ in frames)
 
 
-def test_the_tiny_validation_split_ends_in_a_short_batch(small_text, tokenizer, stage):
+def test_the_tiny_validation_split_ends_in_a_short_batch(small_text, tokenizer, stage, tmp_path):
     """The run above meets a short last validation batch (what used to trigger a recompile)."""
     from data import load_corpus
     cfg = stage.TINY_CONFIG
-    val = stage.SlidingWindowDataset(load_corpus(str(small_text)).val, cfg["context_length"], cfg["context_length"])
+    val = stage.SlidingWindowDataset(load_corpus(str(half_text(small_text, tmp_path))).val, cfg["context_length"],
+                                     cfg["context_length"])
     assert len(val) % stage.TINY_SETTINGS["batch_size"] != 0 and len(val) < 100 * stage.TINY_SETTINGS["batch_size"]
 
 
