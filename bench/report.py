@@ -328,8 +328,8 @@ def render_markdown(report):
         f"- Measured in {len(report.get('parts', []))} part(s), each row dated in its \"measured\" column:",
     ]
     for part in report.get("parts", []):
-        lines.append(f"  - rungs {rung_ranges(part['rungs']) or 'none'}: `{part['command']}`, started "
-                     f"{part['started_at']}, code {part['git'] or 'n/a'}")
+        measured = f"rungs {rung_ranges(part['rungs'])}" if part["rungs"] else "script checks"
+        lines.append(f"  - {measured}: `{part['command']}`, started {part['started_at']}, code {part['git'] or 'n/a'}")
     lines += [
         f"- Each rung: a fresh process, corpus `{settings['data']}`, seed {settings['seed']}, "
         f"warm-up steps: {settings['warmup_steps']} (not timed), then {settings['steps']} steps timed in "
