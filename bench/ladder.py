@@ -220,7 +220,7 @@ def run_ladder(args):
     out = results_folder(args, device_info)
     context = context_of(args, device_info)
     # Every check that can refuse this command comes before anything in the folder is written.
-    found = report.read_folder(out)
+    found = rows.read_rows(out, "ladder.json")
     rows.refuse_a_different_part(found, context, report.MATCHED, out, "rungs")
     missing = args.rungs == MISSING
     planned = plan.jobs(args, found, missing)
@@ -272,18 +272,18 @@ def run_ladder(args):
             break
         row = report.complete_row(result, durations[-1], job.log, context)
         rows.write_row(out, job.name, row)
-        report.write_report(report.collect(rows.read_rows(out)), out, roofline, chart=False)
+        report.write_report(report.collect(rows.read_rows(out, "ladder.json")), out, roofline, chart=False)
         done.append(row)
         print(f"[{index}/{len(planned)}] {job.label.split(':')[0]} {'FAILED' if row['error'] else 'done'} in "
               f"{plan.format_duration(durations[-1])}: {runner.summarize(row)} | elapsed "
               f"{plan.format_duration(time.monotonic() - clock_start)}", flush=True)
 
-    table = report.collect(found) if (found := rows.read_rows(out)) else None
+    table = report.collect(found) if (found := rows.read_rows(out, "ladder.json")) else None
     if table:
         markdown = report.write_report(table, out, roofline)
         measured = sum(1 for row in done if row.get("tokens_per_sec"))
-        print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this command: {measured} of {len(done)} runs "
-              f"measured in {plan.format_duration(time.monotonic() - clock_start)}; the table holds rungs "
+        print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this command: {measured} of {len(done)} "
+              f"runs measured in {plan.format_duration(time.monotonic() - clock_start)}; the table holds rungs "
               f"{report.rung_ranges(row['rung'] for row in table['rungs'])}\n\n{markdown}", flush=True)
     if left:
         print(f"--time-limit: the rest of this part is {plan.describe_left(left)}; measure it with:\n  "

@@ -54,7 +54,7 @@ def read_folder(folder):
     """(ladder report, stages report or None) of a results folder, rendered from its rows; a UsageError for a folder
     the README cannot show (no rows, or a ladder measured at other settings than the stages' own)."""
     folder = Path(folder)
-    found = report.read_folder(folder)
+    found = rows.read_rows(folder, "ladder.json")
     if not any(name.startswith("rung-") for name in found):
         raise UsageError(f"{folder} holds no ladder rows: measure them first (python bench/ladder.py, "
                          "bench/README.md says how in parts)")
@@ -67,7 +67,7 @@ def read_folder(folder):
     if other:
         raise UsageError(f"{folder} was measured with {', '.join(other)}: the README's table shows the stages at their "
                          "own settings (python bench/ladder.py with none of these)")
-    stage_rows = rows.read_rows(folder / "stages")
+    stage_rows = rows.read_rows(folder / "stages", "stages.json")
     stages = stage_collect(stage_rows) if stage_rows else None
     if stages is not None and (stages.get("tiny") or stages.get("device_name") != ladder.get("device_name")):
         raise UsageError(f"{folder}/stages was measured {'with --tiny' if stages.get('tiny') else 'on another device'}"

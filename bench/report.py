@@ -120,17 +120,8 @@ def add_comparisons(rows):
         previous = row
 
 
-def read_folder(folder):
-    """The rows of a results folder ({name: row}); a UsageError for a folder whose ladder.json predates row files."""
-    found = rows.read_rows(folder)
-    if not found and (Path(folder) / "ladder.json").exists():
-        raise UsageError(f"{folder} holds a ladder.json but no {rows.FOLDER}/ (a ladder of an older version): move "
-                         "it away, or choose another --out")
-    return found
-
-
 def collect(found):
-    """The report of a folder's rows (read_folder's): the header of the newest row, the commands that measured them,
+    """The report of a folder's rows (rows.read_rows'): the header of the newest row, the commands that measured them,
     the rungs in order with their speed-ups, and the --check-scripts runs set beside their rungs."""
     newest = max(found.values(), key=lambda row: row["measured_at"])["context"]
     report = {key: newest[key] for key in ("device", "device_name", "gpu_count", "driver", "cuda", "torch", "python")}
@@ -492,7 +483,7 @@ def write_report(report, out, roofline=None, chart=True):
     table."""
     out = Path(out)
     attach_ceilings(report, roofline)
-    files.write_atomically(out / "ladder.json", (json.dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+    files.write_json(out / "ladder.json", report)
     markdown = render_markdown(report)
     files.write_atomically(out / "ladder.md", markdown.encode("utf-8"))
     if chart:
@@ -509,7 +500,7 @@ def main(argv=None):
                              "if it models the same GPU)")
     args = parser.parse_args(argv)
     try:
-        found = read_folder(args.results)
+        found = rows.read_rows(args.results, "ladder.json")
         if not found:
             raise UsageError(f"{Path(args.results) / rows.FOLDER} holds no rows: measure them with bench/ladder.py "
                              f"--out {args.results}")

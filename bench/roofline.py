@@ -21,7 +21,6 @@ Exit code 0 when the files are written; 2 with one line for a wrong command line
 """
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -205,8 +204,7 @@ def render_chart(table, path):
 
 def write_outputs(table, out):
     """roofline.json, roofline.md and roofline.png, each written whole or not at all."""
-    for name, write in (("roofline.json", lambda path: files.write_atomically(
-                            path, (json.dumps(table, indent=2, allow_nan=False) + "\n").encode("utf-8"))),
+    for name, write in (("roofline.json", lambda path: files.write_json(path, table)),
                         ("roofline.md", lambda path: files.write_atomically(
                             path, render_markdown(table).encode("utf-8"))),
                         ("roofline.png", lambda path: render_chart(table, path))):

@@ -19,12 +19,15 @@ MISSING = "missing"  # --rungs / --runs missing: the items without a row file
 
 def write_row(folder, name, row):
     """rows/<name>.json in `folder`, replacing the one an earlier command wrote (atomically: a reader sees either)."""
-    files.write_atomically(Path(folder) / FOLDER / f"{name}.json",
-                           (json.dumps(row, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+    files.write_json(Path(folder) / FOLDER / f"{name}.json", row)
 
 
-def read_rows(folder):
-    """{name: row} of every row file in `folder`, in name order; a UsageError naming a file that is not a row."""
+def read_rows(folder, rendered):
+    """{name: row} of every row file in `folder`, in name order; a UsageError naming a file that is not a row, or for
+    a folder that holds the `rendered` file (ladder.json, stages.json) of an older version but no rows."""
+    if not (Path(folder) / FOLDER).is_dir() and (Path(folder) / rendered).exists():
+        raise UsageError(f"{folder} holds a {rendered} but no {FOLDER}/ (an older version's): move it away, or choose "
+                         "another --out")
     found = {}
     for path in sorted((Path(folder) / FOLDER).glob("*.json")):
         try:
@@ -57,9 +60,9 @@ def refuse_a_different_part(found, context, matched, folder, what):
     for name, row in found.items():
         differ = differences(row["context"], context, matched)
         if differ:
-            raise UsageError(f"{Path(folder) / FOLDER / name}.json holds {what} measured otherwise ({'; '.join(differ)})"
-                             ": a table holds only rows measured alike; run with the same settings or choose another "
-                             "--out")
+            raise UsageError(f"{Path(folder) / FOLDER / name}.json holds {what} measured otherwise "
+                             f"({'; '.join(differ)}): a table holds only rows measured alike; run with the same "
+                             "settings or choose another --out")
 
 
 def commands(found):

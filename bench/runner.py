@@ -159,7 +159,7 @@ def run_rung_main(args):
                                                         "first_interval_peak_allocated_gb",
                                                         "first_interval_peak_reserved_gb")})
             say(utilization.peak_memory_line(memory))
-        files.write_atomically(args.result, json.dumps(result, allow_nan=False).encode("utf-8"))
+        files.write_json(args.result, result)
     return failures.EXIT_OK if result["error"] is None else failures.EXIT_FAILED
 
 

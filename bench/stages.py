@@ -145,8 +145,8 @@ def cell(value, spec):
 
 def tables(report):
     """The two tables of a stages report, as Markdown lines: each run's figures, then its wall clock."""
-    lines = ["| run | command | steps | batch | Avg tok/sec | MFU | reserved GiB | peak reserved GiB (first interval's) "
-             "| final val loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| run | command | steps | batch | Avg tok/sec | MFU | reserved GiB | peak reserved GiB "
+             "(first interval's) | final val loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
         if row["error"]:
             lines.append(f"| {row['run']} | `{row['command']}` | failed: {row['error']} | | | | | | |")
@@ -197,8 +197,8 @@ def collect(found):
 
 def render(out):
     """stages.json and stages.md again, from the rows present; returns the table."""
-    report = collect(rows.read_rows(out))
-    files.write_atomically(out / "stages.json", (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())
+    report = collect(rows.read_rows(out, "stages.json"))
+    files.write_json(out / "stages.json", report)
     markdown = render_markdown(report)
     files.write_atomically(out / "stages.md", markdown.encode("utf-8"))
     return markdown
@@ -218,10 +218,7 @@ def main(argv=None):
                                "command": shlex.join(["python", "bench/stages.py",
                                                       *(argv if argv is not None else sys.argv[1:])]),
                                "git": git_revision()}}
-        found = rows.read_rows(out)
-        if not found and (out / "stages.json").exists():
-            raise failures.UsageError(f"{out} holds a stages.json but no {rows.FOLDER}/ (an older version's): move it "
-                                      "away, or choose another --out")
+        found = rows.read_rows(out, "stages.json")
         rows.refuse_a_different_part(found, context, MATCHED, out, "runs")
         if names == MISSING:
             names = missing_runs(found)

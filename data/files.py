@@ -1,5 +1,6 @@
 """Atomic file writes: readers (and a crash) see the old file or the new one, never half of one."""
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +25,11 @@ def save_atomically(save, path):
 
 def write_atomically(path, data):
     save_atomically(lambda tmp: Path(tmp).write_bytes(data), path)
+
+
+def write_json(path, obj):
+    """`obj` as indented JSON (allow_nan=False: JSON has no NaN), written atomically."""
+    write_atomically(path, (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8"))
 
 
 def current_umask():

@@ -355,7 +355,7 @@ def test_the_table_is_the_rows_present_each_file_replaced_by_a_newer_one(tmp_pat
     write_rows(tmp_path, hand_made_rows({0: (100.0, 1.0), 1: (110.0, 1.0), 2: (120.0, 1.0)}, "2026-01-01 10:00:00 UTC"))
     write_rows(tmp_path, hand_made_rows({2: (150.0, 1.0), 3: (200.0, 1.0)}, "2026-01-02 10:00:00 UTC",
                                         driver="580.00"))
-    table = report.collect(report.read_folder(tmp_path))
+    table = report.collect(rows.read_rows(tmp_path, "ladder.json"))
     found = {row["rung"]: row for row in table["rungs"]}
     assert sorted(found) == [0, 1, 2, 3] and sorted(path.name for path in (tmp_path / "rows").iterdir()) == [
         "rung-00.json", "rung-01.json", "rung-02.json", "rung-03.json"]
@@ -366,11 +366,11 @@ def test_the_table_is_the_rows_present_each_file_replaced_by_a_newer_one(tmp_pat
         ("2026-01-01 10:00:00 UTC", [0, 1]), ("2026-01-02 10:00:00 UTC", [2, 3])]
     assert table["driver"] == "580.00"  # the header is the newest row's
     write_rows(tmp_path, hand_made_rows({0: (90.0, 1.0), 1: (95.0, 1.0)}, "2026-01-03 10:00:00 UTC"))
-    assert [part["started_at"] for part in report.collect(report.read_folder(tmp_path))["parts"]] == [
+    assert [part["started_at"] for part in report.collect(rows.read_rows(tmp_path, "ladder.json"))["parts"]] == [
         "2026-01-02 10:00:00 UTC", "2026-01-03 10:00:00 UTC"]
     (tmp_path / "rows" / "rung-04.json").write_text("{}")  # not a row: named, never silently left out
     with pytest.raises(report.UsageError, match="rung-04.json is not a row of this folder"):
-        report.read_folder(tmp_path)
+        rows.read_rows(tmp_path, "ladder.json")
 
 
 def test_a_command_measured_otherwise_is_refused():
@@ -583,7 +583,7 @@ def test_without_a_roofline_in_the_folder_the_one_shipped_for_the_gpu_is_used(tm
 
 def test_report_py_rebuilds_a_table_with_the_ceiling_beside_it(tmp_path, capsys):
     write_rows(tmp_path, hand_made_rows({0: (12_000.0, 26.0)}, device_name="NVIDIA H100 80GB HBM3"))
-    report.write_report(report.collect(report.read_folder(tmp_path)), tmp_path, chart=False)  # no roofline given
+    report.write_report(report.collect(rows.read_rows(tmp_path, "ladder.json")), tmp_path, chart=False)  # no roofline given
     assert "ceiling" not in (tmp_path / "ladder.md").read_text()
     roofline = {"gpu": "H100", "rungs": [{"rung": 0, "ceiling_tok_per_sec": 48_000.0, "classes": {}}]}
     (tmp_path / "roofline.json").write_text(json.dumps(roofline))
@@ -922,7 +922,7 @@ def test_rungs_missing_is_one_command_that_goes_on_until_the_folder_is_whole(tmp
 
     with_option = ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "missing", "--option",
                                                                               "chunked-loss"]))
-    assert plan.jobs(with_option, rows.read_rows(out), missing=True) == []  # rungs 11-12 are not an option's
+    assert plan.jobs(with_option, rows.read_rows(out, "ladder.json"), missing=True) == []  # rungs 11-12 are not an option's
     assert [job.rung for job in plan.jobs(with_option, {}, missing=True)] == list(range(11))
 
 
