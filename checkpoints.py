@@ -13,9 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from timekeeping import busy
-from failures import OutputError
+import failures
 from data import UsageError, files
+from failures import OutputError
+from timekeeping import busy
 
 LOCK_NAME = ".run.lock"  # in the output folder: held (flock) by the live run that writes there
 _held_locks = {}  # resolved folder -> open lock file, kept open for the life of the process
@@ -29,18 +30,23 @@ def claim_out_dir(out):
     obstacle. In a distributed run rank 0 holds it for the job (the other ranks write nothing).
     """
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder: choose a folder for the run's files")
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # the deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as err:
         raise UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
+    failures.on_usage_error(lambda: _remove_empty(made))  # a wrong input found later leaves no empty folder behind
     if os.environ.get("RANK", "0") != "0" or out.resolve() in _held_locks:
         return out
     try:
         import fcntl
     except ImportError:  # Windows has no flock: no lock there
         return out
+    lock_is_new = not (out / LOCK_NAME).exists()
     lock = open(out / LOCK_NAME, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -55,7 +61,25 @@ def claim_out_dir(out):
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     _held_locks[out.resolve()] = lock
+    if lock_is_new:
+        failures.on_usage_error(lambda: _release(out), first=True)
     return out
+
+
+def _release(out):
+    """Give up the lock of --out and remove its file (a run that found its input wrong: it made the file)."""
+    lock = _held_locks.pop(out.resolve(), None)
+    if lock:
+        lock.close()
+    (out / LOCK_NAME).unlink(missing_ok=True)
+
+
+def _remove_empty(folders):
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another rank's lock, a file of someone else's) or already gone: keep it
+            return
 
 
 # How long a collective may wait in 02 before the job is declared broken (a lost process): NCCL's own default.
@@ -145,6 +169,9 @@ def open_checkpoint(path, script):
     import torch
 
     path = Path(path)
+    if path.is_dir():
+        hint = f": resume {path / 'model.pth'}" if (path / "model.pth").is_file() else " (a run writes <out>/model.pth)"
+        raise UsageError(f"--resume {path}: a folder, not a checkpoint file{hint}")
     if not path.is_file():
         raise UsageError(f"--resume {path}: no such checkpoint file (a run writes <out>/model.pth)")
     try:

@@ -55,6 +55,10 @@ def model_config(args, config, tiny_config):
     if args.resume:
         import checkpoints
 
+        saved = args.checkpoint["settings"].get("model")
+        if args.tiny and "model" not in args.from_checkpoint and args.model != saved:  # --tiny would ignore it
+            raise UsageError(f"--resume {args.resume}: the checkpoint holds the --tiny model, and a run keeps its "
+                             f"model: leave out --model {args.model}, or start a new run in another --out")
         checkpoints.check_config(args.checkpoint, args.resume, cfg)
     return cfg
 

@@ -19,6 +19,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # about a second of each run's exit (whatever is still alive is freed with the process).
 atexit.register(gc.freeze)
 resume_hint = None  # the command that continues this run, for an interrupt's message (cli.resolve_settings sets it)
+_undo_on_usage_error = []  # what a run made before it found its input wrong (see on_usage_error)
 
 
 class TrainingError(Exception):
@@ -69,6 +70,12 @@ def out_of_memory(device, batch_size, context_length, script=None):
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
 
+def on_usage_error(undo, first=False):
+    """Call undo() if the run ends with exit code 2: a wrong input leaves nothing behind (the --out folder the
+    run made, its lock file). first: before the undos registered so far."""
+    _undo_on_usage_error.insert(0 if first else len(_undo_on_usage_error), undo)
+
+
 def _lost_a_peer(err):
     """Whether `err` is a collective failing because another process of a distributed job is gone."""
     import torch.distributed as dist
@@ -82,10 +89,13 @@ def _lost_a_peer(err):
 
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes the README lists (section "Exit codes")."""
+    _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
     try:
         main()
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
+        for undo in _undo_on_usage_error:
+            undo()
         return EXIT_USAGE
     except NothingToTrain as err:
         print(f"Nothing left to train: {err}")
@@ -111,4 +121,6 @@ def run(main):
         print(f"error: another process of this job ended (its own output says why), so this one stops too: "
               f"{first_line}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        _undo_on_usage_error.clear()
     return EXIT_OK

@@ -196,8 +196,8 @@ class ShardMemory:
         return {"formula_bytes_per_rank": self.formula_bytes_per_rank, "measured": self.measured}
 
 
-def _gb(num_bytes):
-    return f"{num_bytes / 1e9:.3f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.2f} MB"
+def _gb(num_bytes):  # GiB, as every memory figure of the stages; MiB below a tenth of one
+    return f"{num_bytes / 1024**3:.3f} GiB" if num_bytes >= 0.1 * 1024**3 else f"{num_bytes / 1024**2:.2f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -192,6 +192,15 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, small_text, tokenizer):
     assert expect in err, err
     assert not re.search(r"^Ep \d", result.stdout, re.MULTILINE), "it trained"
     assert sentinel.read_bytes() == b"an earlier run's checkpoint"
-    written = sorted(p.name for p in out.iterdir() if p.name != ".run.lock")  # the lock file holds no output
-    assert written == ["model.pth"], "files were written into --out"
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["model.pth"], "files were written into --out (a lock file left behind?)"
     assert blocker.read_text(encoding="utf-8") == "a file, not a folder\n"
+
+
+def test_a_wrong_input_found_late_leaves_no_folder_behind(tmp_path, tokenizer):
+    """The text turns out too short after --out was made and locked: exit 2, and the folders it made are gone."""
+    short = _write(tmp_path, "short.txt", _words(20))
+    out = tmp_path / "new" / "out"
+    result = run_script("00_orig.py", "--tiny", "--data", short, "--out", out, timeout=120)
+    assert result.returncode == 2 and "windows" in result.stderr, result.stderr
+    assert not (tmp_path / "new").exists()

@@ -30,3 +30,13 @@ def test_every_local_link_of_the_readme_and_docs_resolves():
             if target.startswith(("http://", "https://")):
                 continue
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_bench_readme_lists_every_ladder_option_in_one_table():
+    """bench/README.md's --option table has a row per option the ladder takes, and the table is one table."""
+    from bench.rungs import OPTIONS
+
+    text = (ROOT / "bench" / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Trying a change before it goes into 01: `--option`")[1].split("\n## ")[0]
+    table = re.search(r"^\| option \|.*?(?=\n(?!\|))", section, flags=re.MULTILINE | re.DOTALL).group(0)
+    assert re.findall(r"^\| `([a-z-]+)` \|", table, flags=re.MULTILINE) == list(OPTIONS)

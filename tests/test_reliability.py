@@ -148,13 +148,15 @@ def corrupt(path, tmp_path, how):
     return broken
 
 
-@pytest.mark.parametrize("case", ["missing", "truncated", "garbage", "other-stage", "other-config",
-                                  "other-batch", "other-seed", "not-a-checkpoint"])
+@pytest.mark.parametrize("case", ["missing", "a-folder", "truncated", "garbage", "other-stage", "other-config",
+                                  "other-batch", "other-seed", "other-model", "not-a-checkpoint"])
 def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
     checkpoint, text = tiny_checkpoint
     script, extra = "00_orig.py", ["--tiny"]
     if case == "missing":
         path = tmp_path / "nope.pth"
+    elif case == "a-folder":  # the run's folder instead of its model.pth: the message names the file
+        path = checkpoint.parent
     elif case in ("truncated", "garbage"):
         path = corrupt(checkpoint, tmp_path, case)
     elif case == "not-a-checkpoint":
@@ -168,7 +170,9 @@ def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
         path = checkpoint
         script, extra = {"other-stage": ("01_opt_single_gpu.py", ["--tiny", "--no-compile"]),
                          "other-batch": ("00_orig.py", ["--tiny", "--batch-size", "2"]),
-                         "other-seed": ("00_orig.py", ["--tiny", "--seed", "7"])}[case]
+                         "other-seed": ("00_orig.py", ["--tiny", "--seed", "7"]),
+                         # --tiny comes from the checkpoint; --model given again would be ignored by it
+                         "other-model": ("00_orig.py", ["--model", "gpt2-xl"])}[case]
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.pth").write_bytes(b"sentinel")
@@ -178,12 +182,13 @@ def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
     message = result.stderr.strip()
     assert message and "\n" not in message, message
     assert "--resume" in message
-    expected_word = {"missing": "no such", "truncated": "corrupt", "garbage": "corrupt",
+    expected_word = {"missing": "no such", "a-folder": f"resume {checkpoint}", "truncated": "corrupt", "garbage": "corrupt",
                      "not-a-checkpoint": "not a checkpoint", "other-stage": "00_orig.py",
                      "other-config": "n_layers", "other-batch": "tokens per step",
-                     "other-seed": "seed"}[case]
+                     "other-seed": "seed", "other-model": "--tiny model"}[case]
     assert expected_word in message
     assert (out / "model.pth").read_bytes() == b"sentinel"
+    assert sorted(path.name for path in out.iterdir()) == ["model.pth"], "a lock file left behind"
 
 
 def test_checkpoint_holds_what_resume_needs(tiny_checkpoint, stage00):
