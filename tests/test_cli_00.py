@@ -149,6 +149,10 @@ def _out_under_a_file(tmp_path, small_text, tokenizer):
     return ["--data", small_text, "--out", tmp_path / "sentinel.txt" / "run"], "--out"
 
 
+def _out_is_a_file(tmp_path, small_text, tokenizer):
+    return ["--data", small_text, "--out", tmp_path / "sentinel.txt"], "is a file, not a folder"
+
+
 BAD_INPUTS = {
     "missing-file": _missing,
     "directory": _directory,
@@ -164,6 +168,7 @@ BAD_INPUTS = {
     "unknown-corpus": _flag("--data", "shakespear", expect="shakespeare"),  # the later --data wins
     "cuda-without-gpu": _flag("--device", "cuda", expect="cuda"),
     "out-under-a-file": _out_under_a_file,
+    "out-is-a-file": _out_is_a_file,
 }
 
 
