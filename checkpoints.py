@@ -32,14 +32,14 @@ def claim_out_dir(out):
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder: choose a folder for the run's files")
-    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # the deepest first
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # the deepest first (and the lock file)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as err:
         raise UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
-    failures.on_usage_error(lambda: _remove_empty(made))  # a wrong input found later leaves no empty folder behind
+    failures.on_usage_error(lambda: _undo_claim(out, made))  # a wrong input found later leaves nothing behind
     if os.environ.get("RANK", "0") != "0" or out.resolve() in _held_locks:
         return out
     try:
@@ -62,23 +62,19 @@ def claim_out_dir(out):
     lock.flush()
     _held_locks[out.resolve()] = lock
     if lock_is_new:
-        failures.on_usage_error(lambda: _release(out), first=True)
+        made.insert(0, out / LOCK_NAME)
     return out
 
 
-def _release(out):
-    """Give up the lock of --out and remove its file (a run that found its input wrong: it made the file)."""
+def _undo_claim(out, made):
+    """After exit code 2: give up the lock of --out and remove what claim_out_dir made, the deepest first."""
     lock = _held_locks.pop(out.resolve(), None)
     if lock:
         lock.close()
-    (out / LOCK_NAME).unlink(missing_ok=True)
-
-
-def _remove_empty(folders):
-    for folder in folders:
+    for path in made:
         try:
-            folder.rmdir()
-        except OSError:  # not empty (another rank's lock, a file of someone else's) or already gone: keep it
+            path.unlink() if path.name == LOCK_NAME else path.rmdir()
+        except OSError:  # a folder not empty (another rank's lock, someone else's file) or gone: keep the rest
             return
 
 

@@ -70,10 +70,10 @@ def out_of_memory(device, batch_size, context_length, script=None):
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
 
-def on_usage_error(undo, first=False):
+def on_usage_error(undo):
     """Call undo() if the run ends with exit code 2: a wrong input leaves nothing behind (the --out folder the
-    run made, its lock file). first: before the undos registered so far."""
-    _undo_on_usage_error.insert(0 if first else len(_undo_on_usage_error), undo)
+    run made, its lock file)."""
+    _undo_on_usage_error.append(undo)
 
 
 def _lost_a_peer(err):
