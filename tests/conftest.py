@@ -3,7 +3,6 @@
 The suite runs on the CPU wherever it runs; the GPU tier in tests/gpu runs on its own (python -m pytest -q tests/gpu).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -72,11 +71,13 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def load_stage(filename):
-    """Import a stage script (its name starts with a digit) as a module."""
-    spec = importlib.util.spec_from_file_location(Path(filename).stem.replace("0", "stage0", 1), ROOT / filename)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Import a stage script (its name starts with a digit) as a module: a fresh copy per call, registered in
+    sys.modules under a name of its own, as bench.rungs.load_stage does. torch.compile 2.11 imports by name the
+    module of a function it inlines from another (a compiled checkpoint_wrapper around a stage's block): a copy
+    missing from sys.modules fails there with ModuleNotFoundError, on the GPU where that path is taken."""
+    from bench.rungs import load_stage as fresh_copy
+
+    return fresh_copy(filename)
 
 
 def aten_dtypes():
@@ -162,8 +163,6 @@ def logged_losses(out):
 def check_wall_clock(stdout, out, compiled):
     """The run's wall clock: split into its phases in metrics.json, printed once as the log's last line, with
     compilation time exactly where torch.compile ran."""
-    import devices
-    import failures
     import timekeeping
 
     split = json.loads((Path(out) / "metrics.json").read_text())["wall_clock_s"]
@@ -181,8 +180,6 @@ def bf16_cpu(monkeypatch):
     """Step 5's bf16 path on every CPU for an in-process test (the test hook): a CPU without bfloat16 arithmetic
     trains in float32, where a test about bf16 logits would check nothing. Processes the test starts inherit it."""
     import devices
-    import failures
-    import timekeeping
 
     monkeypatch.setenv(devices.FORCE_PRECISION_VARIABLE, "bf16")
     devices.autocast_precision.cache_clear()

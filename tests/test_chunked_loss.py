@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import chunked_loss, rungs
+from conftest import load_stage
 
 CHUNK = 100  # tokens per chunk: 4 x 64 tokens make two whole chunks and a short one of 56
 
@@ -111,9 +112,12 @@ def test_compiled_in_one_graph_it_gives_the_eager_gradients_without_a_float32_ch
     assert buffers and all(dtype == "bfloat16" for _, dtype in buffers), buffers  # chunk x vocabulary: bf16 only
 
 
-def test_a_ladder_stage_copy_is_importable_by_name():
+def test_a_stage_copy_is_importable_by_name():
     """torch.compile 2.11 imports, by name, the module of a function it inlines from another module (the chunked
-    loss calls the model's forward): the ladder's copies of the stages must be in sys.modules."""
+    loss calls the model's forward; checkpoint_wrapper calls a block's): the ladder's and the tests' copies of the
+    stages must be in sys.modules."""
     module = rungs.load_stage(rungs.STAGE_01)
     assert sys.modules[module.__name__] is module
     assert rungs.load_stage(rungs.STAGE_01).__name__ != module.__name__  # still a fresh copy per call
+    tests_copy = load_stage("03_opt_multi_gpu_fsdp.py")  # the tests' loader (tests/gpu compiles 03's blocks)
+    assert sys.modules[tests_copy.__name__] is tests_copy

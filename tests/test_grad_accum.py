@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import devices
-import failures
 from conftest import ROOT, run_script
 from test_stage02_ddp import clean_env, torchrun
 from test_stage03_fsdp import weights as sharded_weights

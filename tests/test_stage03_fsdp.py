@@ -470,9 +470,7 @@ def test_the_compiled_loss_keeps_no_float32_copy_of_the_logits(stage03):
 
 
 def test_out_of_memory_names_the_levers():
-    import cli
     import failures
-    import utilization
 
     message = str(failures.out_of_memory(torch.device("cpu"), 32, 1024, script=STAGE))
     assert "--batch-size (16)" in message and "--activation-checkpointing" in message and "more GPUs" in message
