@@ -42,7 +42,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         counted = (targets != IGNORE_INDEX).sum()
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in float32
+        # The head's weight gradient, summed chunk by chunk with addmm: each matmul adds its chunk's part to the sum
+        # so far (accumulating in float32 inside the kernel, rounding once per chunk). Written as `sum += part`,
+        # Inductor fused the additions into one kernel after the last chunk and kept every part alive until then.
+        grad_weight = torch.zeros_like(weight, dtype=dtype)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             hidden_chunk, target_chunk = hidden[rows].to(dtype), targets[rows]
@@ -57,8 +60,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             one_hot = torch.arange(log_probs.shape[1], device=log_probs.device) == target_or_zero
             grad_logits = torch.where(kept, log_probs.exp() - one_hot.to(log_probs.dtype), 0.0).to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
-            grad_weight += grad_logits.t() @ hidden_chunk
-        ctx.save_for_backward(grad_hidden / counted, grad_weight / counted)
+            grad_weight = torch.addmm(grad_weight, grad_logits.t(), hidden_chunk)
+        ctx.save_for_backward(grad_hidden / counted, grad_weight.float() / counted)
         return loss_sum / counted
 
     @staticmethod

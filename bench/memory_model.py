@@ -88,7 +88,7 @@ KNOWN = [
     ("norm2", "rsqrt", "the norm's 1 / std per token"),
     ("-", "cast of a parameter", "a weight's bf16 copy, for the matmuls' backward"),
     ("-", "mm", "the head input's gradient, made in the forward (chunked loss)"),
-    ("-", "div", "the head weight's gradient, made in the forward (chunked loss)", 2),  # 2-d: not a norm's division
+    ("-", "addmm", "the head weight's gradient, made in the forward (chunked loss), in bf16", 2),
 ]
 
 

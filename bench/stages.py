@@ -164,9 +164,22 @@ def tables(report):
         split = row.get("wall_clock_s") or {}
         lines.append(f"| {row['run']} | {row['command_seconds']:.1f} | "
                      + " | ".join(cell(split.get(phase), '.1f') for phase in PHASES) + " |")
-    return lines + ["", "01-cold compiled into an empty cache, 01-warm into the cache 01-cold filled; 00 and 02 each "
-                        "had an empty one. Avg tok/sec leaves out each run's first log interval (warm-up and "
-                        "compilation); memory is in GiB, reserved at the end of the run and its peak."]
+    return lines + ["", cache_note([row["run"] for row in report["runs"]]) + " Avg tok/sec leaves out each run's "
+                        "first log interval (warm-up and compilation); memory is in GiB, reserved at the end of the "
+                        "run and its peak."]
+
+
+def cache_note(names):
+    """Which compile cache each run of the table started with, naming only the runs it holds."""
+    said = []
+    if "01-cold" in names:
+        said.append("01-cold compiled into an empty cache")
+    if "01-warm" in names:
+        said.append("01-warm into the cache 01-cold filled")
+    others = [name for name in names if name not in ("01-cold", "01-warm")]
+    if others:
+        said.append(f"{' and '.join(others)} {'each ' if len(others) > 1 else ''}started with an empty cache")
+    return "; ".join(said) + "."
 
 
 def render_markdown(report):
