@@ -105,7 +105,7 @@ def test_a_padded_last_batch_gives_the_loss_of_the_real_rows(stage):
     with torch.compiler.set_stance("force_eager"), torch.no_grad():
         expected = [stage.calc_loss_batch(inputs[:4], targets[:4], model, CPU).item(),
                     stage.calc_loss_batch(inputs[4:], targets[4:], model, CPU).item()]
-        if stage.__name__.startswith("stage02"):
+        if stage.__file__.endswith("02_opt_multi_gpu_ddp.py"):
             with single_rank():
                 got = stage.calc_loss_loader(loader, model, CPU)
         else:
@@ -162,7 +162,7 @@ def test_the_tiny_validation_split_ends_in_a_short_batch(small_text, tokenizer, 
 # ---------------------------------------------------------------------------------------------
 
 def test_an_epoch_starts_without_waiting_for_loader_workers(stage, small_text, tokenizer, monkeypatch):
-    if stage.__name__.startswith("stage02"):  # a sampler for rank 0 of 1, without a process group
+    if stage.__file__.endswith("02_opt_multi_gpu_ddp.py"):  # a sampler for rank 0 of 1, without a process group
         monkeypatch.setattr(stage, "DistributedSampler",
                             lambda dataset, **kwargs: DistributedSampler(dataset, num_replicas=1, rank=0, **kwargs))
     text = small_text.read_text(encoding="utf-8")
