@@ -188,7 +188,7 @@ torch.amp.GradScaler.step = step_with_an_overflow
 
 def test_a_step_whose_gradients_overflow_is_skipped_and_the_run_goes_on(tmp_path, small_text):
     result = run_with_fault(tmp_path, small_text, OVERFLOW_AT_STEP_4, "--eval-freq", "3", "--eval-iter", "2",
-                            "--max-steps", "9", script="01_opt_single_gpu.py", env=FP16)
+                            "--max-steps", "9", "--batch-size", "1", script="01_opt_single_gpu.py", env=FP16)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "training failed" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     steps = [line.split() for line in result.stdout.splitlines() if line.startswith("STEP ")]
