@@ -113,10 +113,11 @@ def test_compiled_in_one_graph_it_gives_the_eager_gradients_without_a_float32_ch
 
 
 def live_head_sized_buffers(code, shape):
-    """The most buffers of `shape` that Inductor's generated wrapper `code` (CPU) holds at once: it allocates with
-    `bufN = empty_strided_cpu((...), ...)`, hands a dead buffer's memory on with `bufM = bufN; del bufN  # reuse`
-    (or through reinterpret_tensor) and frees with `del bufN`. A buffer is counted by the shape it was made with."""
-    made = re.compile(r"(buf\d+) = empty_strided_cpu\(\(([\d, ]+)\)")
+    """The most buffers of `shape` that Inductor's generated wrapper `code` holds at once: it allocates with
+    `bufN = empty_strided_cpu((...), ...)` (`empty_strided_cuda` on a GPU), hands a dead buffer's memory on with
+    `bufM = bufN; del bufN  # reuse` (or through reinterpret_tensor) and frees with `del bufN`. A buffer is counted
+    by the shape it was made with. (tests/gpu reads the GPU's code with it too.)"""
+    made = re.compile(r"(buf\d+) = empty_strided_(?:cpu|cuda)\(\(([\d, ]+)\)")
     reused = re.compile(r"(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*# reuse")
     live, most = {}, 0  # name -> the shape its memory was made with
     for line in code.splitlines():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import load_stage
+from test_chunked_loss import live_head_sized_buffers
 from gpu.stage_runs import ROOT, gpu_time_shares, profile_rows, run_stage
 
 from inspection import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP, SNAPSHOT_STEPS
@@ -94,8 +95,11 @@ def test_no_compiled_step_allocates_the_float32_logits(report):
 
 
 def head_training_step(stage, batch):
-    """(peak increase, largest allocation, loss, the head's weight gradient) of a compiled training step of `stage`'s
-    model with two layers and no dropout, measured on the step after the one that compiles."""
+    """(peak increase, largest allocation, loss, the head's weight gradient, Inductor's generated code) of a compiled
+    training step of `stage`'s model with two layers and no dropout, measured on the step after the one that
+    compiles."""
+    from torch._inductor.utils import run_and_get_code
+
     device = torch.device("cuda")
     set_backends_as_stage01_does()
     cfg = {**stage.GPT_CONFIG_124M, "n_layers": 2, "drop_rate": 0.0}  # no dropout: the same math in every copy
@@ -112,9 +116,9 @@ def head_training_step(stage, batch):
         loss.backward()
         losses.append(loss.item())
 
-    training_step()  # compiles
+    _, code = run_and_get_code(training_step)  # compiles
     peak, largest = allocations_during(training_step)
-    return peak, largest, losses[-1], model.out_head.weight.grad.float().clone()
+    return peak, largest, losses[-1], model.out_head.weight.grad.float().clone(), code
 
 
 def test_the_chunked_loss_keeps_01s_math_and_drops_its_logits(report):
@@ -130,16 +134,21 @@ def test_the_chunked_loss_keeps_01s_math_and_drops_its_logits(report):
     plain = rungs.load_stage(rungs.STAGE_01)  # copies in sys.modules: torch.compile (2.11) imports them by name
     chunked = rungs.load_stage(rungs.STAGE_01)
     chunked.forward_and_loss = partial(chunked_loss.forward_and_loss, chunk_tokens=chunk)
-    peak_01, _, loss_01, grad_01 = head_training_step(plain, batch)
+    peak_01, _, loss_01, grad_01, _ = head_training_step(plain, batch)
     torch.cuda.empty_cache()
-    peak, largest, loss, grad = head_training_step(chunked, batch)
+    peak, largest, loss, grad, code = head_training_step(chunked, batch)
     torch.cuda.empty_cache()
     cfg = plain.GPT_CONFIG_124M
     bf16_logits = batch * cfg["context_length"] * cfg["vocab_size"] * 2
     head_error = ((grad - grad_01).norm() / grad_01.norm()).item()
+    held = ", ".join(  # what the generated wrapper keeps at once, read as tests/test_chunked_loss.py reads the CPU's
+        f"{max((live_head_sized_buffers(part, shape) for part in code), default='n/a (no code captured)')} {name}"
+        for name, shape in (("chunk x vocabulary", (chunk, cfg["vocab_size"])),
+                            ("vocabulary x width", (cfg["vocab_size"], cfg["emb_dim"]))))
     report(f"chunked loss (chunks of {chunk:,} tokens), batch {batch}, 2 layers: training step peak +{peak / GB:.2f} "
            f"GiB against 01's +{peak_01 / GB:.2f} GiB (bf16 logits {bf16_logits / GB:.2f} GiB), largest allocation "
-           f"{largest / GB:.2f} GiB; loss {loss:.5f} against {loss_01:.5f}, head gradient off by {head_error:.2%}")
+           f"{largest / GB:.2f} GiB; loss {loss:.5f} against {loss_01:.5f}, head gradient off by {head_error:.2%}; "
+           f"buffers held at once in the generated code: {held}")
     assert loss == pytest.approx(loss_01, rel=1e-3) and head_error < 0.02, (loss, loss_01, head_error)
     assert largest < bf16_logits / 2, "an allocation as large as half the logits: the chunks are not chunks"
     assert peak < peak_01 - bf16_logits / 4, (peak, peak_01)  # the model says three quarters of the logits less
