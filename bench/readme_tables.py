@@ -6,7 +6,9 @@
 The folder is what bench/ladder.py wrote (its rows/) and, in its stages/ subfolder, what bench/stages.py wrote
 (stages/rows/). From the ladder: the "measured here" column of the README's table of the ten optimizations (median
 tok/s, peak reserved GiB and the speed-up over the step above, for steps 0 to 10) and a paragraph under it with the
-GPU, the versions, the dates, step 10 over step 0, the steps that did not pay and rungs 11 and 12. From the stages:
+GPU, the versions, the dates, step 10 over step 0, the steps that did not pay and rungs 11 and 12; where the rows
+have ceilings (a GPU whose roofline docs/roofline/ ships), a table of each step beside its ceiling in the roofline
+section. From the stages:
 a table in the README's Results section, each run's Avg tok/sec, MFU, memory and wall clock split into phases.
 Nothing is typed by hand, so a figure in the README is always one of the folder's, and --check (run by the test
 suite on the folder the README names) notices a README edited by hand or a folder measured again.
@@ -38,6 +40,10 @@ PAYS = 1.02  # a step that gains less than 2% over the step above "did not pay" 
 NOT_MEASURED = "no GPU run yet"
 LADDER_BLOCK = ("<!-- ladder results: bench/readme_tables.py writes this paragraph -->", "<!-- /ladder results -->")
 STAGES_BLOCK = ("<!-- stage results: bench/readme_tables.py writes this section -->", "<!-- /stage results -->")
+CEILINGS_BLOCK = ("<!-- measured against the ceilings: bench/readme_tables.py writes this table -->",
+                  "<!-- /measured against the ceilings -->")
+CEILINGS_PLACEHOLDER = ("**Measured against the ceilings:** no ladder measured on a GPU whose roofline `docs/roofline/` "
+                        "ships (or with `--roofline`) yet.")
 LADDER_PLACEHOLDER = ("**Measured here:** no GPU run yet. `python bench/readme_tables.py bench/results/<gpu>` writes "
                       "the ladder of a results folder into this column and its stages into [Results](#results).")
 STAGES_PLACEHOLDER = ("**The stages end to end on a GPU:** no GPU run yet (`python bench/stages.py`, then "
@@ -60,6 +66,8 @@ def read_folder(folder):
                          "bench/README.md says how in parts)")
     ladder = report.collect(found)
     settings = ladder.get("settings") or {}
+    report.attach_ceilings(ladder, report.find_roofline(folder, None, ladder.get("device_name"), settings,
+                                                        say=lambda line: None))  # the ladder.md's own ceilings
     other = [what for what, differs in (
         ("--tiny", settings.get("tiny")), (f"--model {settings.get('model')}", settings.get("model") != "gpt2-small"),
         (f"--batch-size {settings.get('batch_size')}", settings.get("batch_size") is not None),
@@ -137,6 +145,29 @@ def ladder_paragraph(ladder, folder):
     return " ".join(sentences)
 
 
+def ceilings_table(ladder):
+    """Steps 0-10 as measured beside the ceilings bench/roofline.py models for the same GPU, and each step's
+    speed-up beside its ceiling's."""
+    measured = {row["rung"]: row for row in ladder["rungs"] if row["rung"] in STEPS and not row.get("error")
+                and row.get("tokens_per_sec") and row.get("ceiling_tok_per_sec")}
+    if not measured:
+        return CEILINGS_PLACEHOLDER
+    lines = [f"**Measured against the ceilings** on the {ladder['device_name']} (the ladder above, beside the ceilings "
+             f"of `{(ladder.get('roofline') or {}).get('path')}`). A step whose measured speed-up falls short of its "
+             "ceiling's left the GPU idle or below its peak for part of the time it saved; one that exceeds it also "
+             "removed time the model does not count (launches, Python, gaps between kernels).", "",
+             "| step | change | ceiling, tok/s | measured, tok/s | measured / ceiling | ceiling × step above | "
+             "measured × step above |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for number, row in sorted(measured.items()):
+        above = measured.get(number - 1)
+        ratios = ([f"{row['ceiling_tok_per_sec'] / above['ceiling_tok_per_sec']:.2f}×",
+                   f"{row['tokens_per_sec'] / above['tokens_per_sec']:.2f}×"] if above else ["", ""])
+        lines.append(f"| {number} | {report.SHORT_NAMES[number]} | {row['ceiling_tok_per_sec']:,.0f} | "
+                     f"{row['tokens_per_sec']:,.0f} | {row['tokens_per_sec'] / row['ceiling_tok_per_sec']:.0%} | "
+                     + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
 def stages_section(stages, folder):
     runs = {row["run"]: row for row in stages["runs"]}
     dates = sorted(part["date"][:10] for part in stages["parts"])
@@ -203,13 +234,15 @@ def filled(text, ladder, stages, folder):
     rows = {row["rung"]: row for row in ladder["rungs"]}
     text = _with_cells(text, {step: measured_cell(rows.get(step)) for step in STEPS})
     text = _with_block(text, LADDER_BLOCK, ladder_paragraph(ladder, folder))
+    text = _with_block(text, CEILINGS_BLOCK, ceilings_table(ladder))
     return _with_block(text, STAGES_BLOCK, stages_section(stages, folder) if stages else STAGES_PLACEHOLDER)
 
 
 def unfilled(text):
     """The README as it reads before any GPU run (what the suite checks while no folder is named)."""
     text = _with_cells(text, {step: NOT_MEASURED for step in STEPS})
-    return _with_block(_with_block(text, LADDER_BLOCK, LADDER_PLACEHOLDER), STAGES_BLOCK, STAGES_PLACEHOLDER)
+    text = _with_block(_with_block(text, LADDER_BLOCK, LADDER_PLACEHOLDER), CEILINGS_BLOCK, CEILINGS_PLACEHOLDER)
+    return _with_block(text, STAGES_BLOCK, STAGES_PLACEHOLDER)
 
 
 def named_folder(text):
@@ -222,7 +255,8 @@ def differences(text, expected):
     """Lines naming what differs between the README's text and the expected one."""
     found = [f"step {step}: the README shows '{shown}', the folder gives '{measured_cells(expected)[step]}'"
              for step, shown in measured_cells(text).items() if shown != measured_cells(expected)[step]]
-    for markers, what in ((LADDER_BLOCK, "the paragraph under the table"), (STAGES_BLOCK, "the stages in Results")):
+    for markers, what in ((LADDER_BLOCK, "the paragraph under the table"), (CEILINGS_BLOCK, "the table beside the "
+                          "roofline's ceilings"), (STAGES_BLOCK, "the stages in Results")):
         if block(text, markers) != block(expected, markers):
             found.append(f"{what} differs from what the folder gives")
     return found

@@ -61,6 +61,7 @@ def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, 
             "(pinned memory) 1.00×.") in paragraph  # step 3 paid; the failed step 6 is named as failed
     assert "Failed: step 6" in paragraph
     assert "rung 11 (DDP (02) on 1 GPU) 297,000 tok/s (0.99×)" in paragraph
+    assert readme_tables.block(text, readme_tables.CEILINGS_BLOCK) == readme_tables.CEILINGS_PLACEHOLDER  # no roofline
     results = readme_tables.block(text, readme_tables.STAGES_BLOCK)
     assert ("| 01-warm | `python 01_opt_single_gpu.py` | 200 | 32 | 303,000 | 41.2% | 15.87 | 16.00 (n/a) | 6.200 |"
             in results) and "| 01-warm | 50.0 | 4.0 | 30.5 | 12.0 | 2.0 | 0.5 | 1.0 |" in results
@@ -92,3 +93,22 @@ def test_the_readme_shows_no_gpu_figure_or_those_of_the_folder_it_names():
         assert text == readme_tables.unfilled(text), "a figure typed into the README by hand"
     else:
         assert readme_tables.main([str(named), "--check"]) == 0
+
+
+def test_the_ceilings_table_sets_each_step_beside_its_ceiling():
+    """Only steps with a ceiling and a measurement get a row; a step's ratios are over the step just above, and a
+    step whose neighbour above failed has none (no ratio across a gap)."""
+    rows = [{"rung": 0, "tokens_per_sec": 30_000.0, "ceiling_tok_per_sec": 60_000.0},
+            {"rung": 1, "tokens_per_sec": 33_000.0, "ceiling_tok_per_sec": 60_000.0},
+            {"rung": 2, "tokens_per_sec": None, "error": "failed", "ceiling_tok_per_sec": 120_000.0},
+            {"rung": 3, "tokens_per_sec": 66_000.0, "ceiling_tok_per_sec": 132_000.0},
+            {"rung": 11, "tokens_per_sec": 400_000.0, "ceiling_tok_per_sec": 500_000.0}]
+    ladder = {"device_name": "NVIDIA X", "rungs": rows, "roofline": {"path": "docs/roofline/X/roofline.json"}}
+    table = readme_tables.ceilings_table(ladder)
+    assert "on the NVIDIA X (the ladder above, beside the ceilings of `docs/roofline/X/roofline.json`)" in table
+    assert "| 0 | baseline (00) | 60,000 | 30,000 | 50% |  |  |" in table
+    assert "| 1 | mask on the fly | 60,000 | 33,000 | 55% | 1.00× | 1.10× |" in table
+    assert "| 3 | fused AdamW | 132,000 | 66,000 | 50% |  |  |" in table
+    assert "| 2 |" not in table and "| 11 |" not in table  # failed; not a step of the table
+    no_ceilings = {"device_name": "NVIDIA X", "rungs": [{**row, "ceiling_tok_per_sec": None} for row in rows]}
+    assert readme_tables.ceilings_table(no_ceilings) == readme_tables.CEILINGS_PLACEHOLDER
