@@ -33,6 +33,10 @@ def pytest_cmdline_main(config):
     if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None and not is_worker
             and not gpu_tier_requested(config) and not config.option.collectonly):
         config.option.numprocesses, config.option.dist = 2, "loadfile"
+    # A failing test's report shows the log records captured while it ran; torch.compile's structured trace logs
+    # hundreds of empty DEBUG lines, which bury the traceback. Warnings and errors are still shown.
+    if config.option.log_level is None:
+        config.option.log_level = "WARNING"
 
 
 def pytest_configure(config):
