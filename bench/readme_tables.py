@@ -163,7 +163,7 @@ def ceilings_table(ladder):
         ratios = ([f"{row['ceiling_tok_per_sec'] / above['ceiling_tok_per_sec']:.2f}×",
                    f"{row['tokens_per_sec'] / above['tokens_per_sec']:.2f}×"] if above else ["", ""])
         lines.append(f"| {number} | {report.SHORT_NAMES[number]} | {row['ceiling_tok_per_sec']:,.0f} | "
-                     f"{row['tokens_per_sec']:,.0f} | {row['tokens_per_sec'] / row['ceiling_tok_per_sec']:.0%} | "
+                     f"{row['tokens_per_sec']:,.0f} | {row['fraction_of_ceiling']:.0%} | "
                      + " | ".join(ratios) + " |")
     return "\n".join(lines)
 

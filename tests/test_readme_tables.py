@@ -98,11 +98,11 @@ def test_the_readme_shows_no_gpu_figure_or_those_of_the_folder_it_names():
 def test_the_ceilings_table_sets_each_step_beside_its_ceiling():
     """Only steps with a ceiling and a measurement get a row; a step's ratios are over the step just above, and a
     step whose neighbour above failed has none (no ratio across a gap)."""
-    rows = [{"rung": 0, "tokens_per_sec": 30_000.0, "ceiling_tok_per_sec": 60_000.0},
-            {"rung": 1, "tokens_per_sec": 33_000.0, "ceiling_tok_per_sec": 60_000.0},
+    rows = [{"rung": 0, "tokens_per_sec": 30_000.0, "ceiling_tok_per_sec": 60_000.0, "fraction_of_ceiling": 0.5},
+            {"rung": 1, "tokens_per_sec": 33_000.0, "ceiling_tok_per_sec": 60_000.0, "fraction_of_ceiling": 0.55},
             {"rung": 2, "tokens_per_sec": None, "error": "failed", "ceiling_tok_per_sec": 120_000.0},
-            {"rung": 3, "tokens_per_sec": 66_000.0, "ceiling_tok_per_sec": 132_000.0},
-            {"rung": 11, "tokens_per_sec": 400_000.0, "ceiling_tok_per_sec": 500_000.0}]
+            {"rung": 3, "tokens_per_sec": 66_000.0, "ceiling_tok_per_sec": 132_000.0, "fraction_of_ceiling": 0.5},
+            {"rung": 11, "tokens_per_sec": 400_000.0, "ceiling_tok_per_sec": 500_000.0, "fraction_of_ceiling": 0.8}]
     ladder = {"device_name": "NVIDIA X", "rungs": rows, "roofline": {"path": "docs/roofline/X/roofline.json"}}
     table = readme_tables.ceilings_table(ladder)
     assert "on the NVIDIA X (the ladder above, beside the ceilings of `docs/roofline/X/roofline.json`)" in table
