@@ -94,6 +94,7 @@ def report(request):
             with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
                 terminal.write_line(f"\nmeasured: {line}", flush=True)
 
+    add.folder = path.parent  # where a test leaves a file of what it measured, beside the report
     return add
 
 
