@@ -84,7 +84,9 @@ def roofline_floors(path, rung, gpu_name):
                          f"python bench/roofline.py --gpu '{gpu_name}' --out DIR for this GPU")
     row = rows[rung]
     floors = {work: row["classes"][work]["floor_seconds"] for work in WORK_CLASSES}
-    what = (f"roofline: {path}, rung {rung} ({row.get('change', '')}) on the {roofline['gpu']}, batch "
+    shown = Path(path).resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else path  # the repository's own: as it names it
+    what = (f"roofline: {shown}, rung {rung} ({row.get('change', '')}) on the {roofline['gpu']}, batch "
             f"{row['batch_size']} x {row['context_length']} tokens, floor {1e3 * row['floor_seconds']:.2f} ms")
     return floors, what
 
