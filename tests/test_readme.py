@@ -32,6 +32,23 @@ def test_every_local_link_of_the_readme_and_docs_resolves():
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
 
 
+def github_anchor(title):
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_anchor_a_page_links_to_is_a_heading_there():
+    pages = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+            linked = (page.parent / target) if target else page
+            if target.startswith(("http://", "https://")) or linked.suffix != ".md":
+                continue
+            titles = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), flags=re.MULTILINE)
+            assert anchor in {github_anchor(title) for title in titles}, f"{page.name} links to {target}#{anchor}"
+
+
 def test_bench_readme_lists_every_ladder_option_in_one_table():
     """bench/README.md's --option table has a row per option the ladder takes, and the table is one table."""
     from bench.rungs import OPTIONS
