@@ -8,7 +8,8 @@ itself, a chunk of tokens at a time, and keep only what the backward needs from 
 input (tokens x width) and of its weight (vocabulary x width). A chunk's logits are gone before the next chunk's are
 made.
 
-The matmuls are the same three as before (the logits, and the two gradient matmuls), so no FLOP is added. The same
+The matmuls are the same three as before (the logits, and the two gradient matmuls), plus one dot product per token
+for the loss (its own logit: a 50,304th of the head's matmul), so no FLOP to speak of is added. The same
 idea is llm.c's fused classifier and Liger Kernel's fused linear cross-entropy. `--option chunked-loss` of
 bench/ladder.py measures it on the composed rungs (4 to 10: the rungs whose loss is 01's forward_and_loss).
 """
@@ -51,14 +52,25 @@ class LinearCrossEntropy(torch.autograd.Function):
             hidden_chunk, target_chunk = hidden[rows].to(dtype), targets[rows]
             kept = (target_chunk != IGNORE_INDEX).unsqueeze(1)
             target_or_zero = torch.where(kept, target_chunk.unsqueeze(1), 0)
-            log_probs = (hidden_chunk @ weight_cast.t()).float().log_softmax(dim=-1)  # the loss in float32
-            loss_sum = loss_sum - torch.where(kept, log_probs.gather(1, target_or_zero), 0.0).sum()
+            logits = hidden_chunk @ weight_cast.t()
+            # The loss in float32: log_softmax written out, so that its two per-token figures, the largest logit and
+            # the log of the sum of exponentials, are at hand for the loss as well
+            logits_float = logits.float()
+            peak = logits_float.amax(dim=-1, keepdim=True)
+            log_total = (logits_float - peak).exp().sum(dim=-1, keepdim=True).log()
+            # Each token's own logit, from its hidden state and its target's row of the weight (a batch of one-row
+            # matmuls, in the logits' own precision) rather than read back from the logits: the loss reads nothing of
+            # a chunk's logits then, so that wherever Inductor puts the loss's kernels, no logits wait for them (on
+            # an H200 a version that read them held every chunk's logits at once; the CPU's code held one)
+            own_logit = (hidden_chunk.unsqueeze(1) @ weight_cast[target_or_zero].transpose(1, 2)).float().squeeze(2)
+            loss_sum = loss_sum + torch.where(kept, peak + log_total - own_logit, 0.0).sum()
             # counted x d loss / d logits = softmax - one_hot(target), zero on skipped rows. The division by
             # counted waits until after the matmuls: in float16 (GPUs before Ampere) p / 32,768 would underflow.
             # (one elementwise expression: compiled, the kernels go from the bf16 logits to their bf16 gradient
             # with no float32 chunk in between, and write it over the logits' buffer)
-            one_hot = torch.arange(log_probs.shape[1], device=log_probs.device) == target_or_zero
-            grad_logits = torch.where(kept, log_probs.exp() - one_hot.to(log_probs.dtype), 0.0).to(dtype)
+            one_hot = torch.arange(logits.shape[1], device=logits.device) == target_or_zero
+            probs = (logits_float - peak - log_total).exp()
+            grad_logits = torch.where(kept, probs - one_hot.to(probs.dtype), 0.0).to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight = torch.addmm(grad_weight, grad_logits.t(), hidden_chunk)
         ctx.save_for_backward(grad_hidden / counted, grad_weight.float() / counted)

@@ -460,14 +460,16 @@ def test_rungs_keep_cudnns_attention_off_as_the_stages_do_unless_the_option_meas
 
 def test_the_chunked_loss_option_replaces_01s_loss_from_rung_4_and_trains_the_same():
     """compose() swaps bench/chunked_loss.py's forward_and_loss in where the rung's loss is 01's: one training step
-    then gives the same loss and the same gradients as the rung without the option (float32 on the CPU)."""
+    then gives the same loss and the same gradients as the rung without the option. Rung 4, the first it changes, is
+    the last in float32: from rung 5 on a CPU with bf16 trains in bf16, where the two losses' float32 work, rounded
+    otherwise, turns a few of the logits' bf16 gradients the other way (1e-3 apart in a small gradient)."""
     from bench import chunked_loss
 
     rungs.apply_options(["chunked-loss"])  # no setting of PyTorch to switch: compose does it
     inputs = torch.randint(0, 50257, (4, 64), generator=torch.Generator().manual_seed(0))
     results = {}
     for options in ((), ("chunked-loss",)):
-        rung = rungs.compose(6, CPU, tiny=True, seed=5, options=options)
+        rung = rungs.compose(4, CPU, tiny=True, seed=5, options=options)
         rung.model.eval()  # no dropout: both runs see the same network
         assert (rung.data_stage.forward_and_loss is chunked_loss.forward_and_loss) == bool(options)
         loss = rung.train_step(inputs, inputs.roll(-1, dims=1)).item()
