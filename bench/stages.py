@@ -143,6 +143,14 @@ def cell(value, spec):
     return "n/a" if value is None else format(value, spec)
 
 
+def phase_cell(split, phase):
+    """A phase's seconds; start-up with its imports beside it, where the run recorded them (timekeeping)."""
+    text = cell(split.get(phase), ".1f")
+    if phase == "start-up" and split.get("imports") is not None:
+        text += f" (imports {split['imports']:.1f})"
+    return text
+
+
 def tables(report):
     """The two tables of a stages report, as Markdown lines: each run's figures, then its wall clock."""
     lines = ["| run | command | steps | batch | Avg tok/sec | MFU | reserved GiB | peak reserved GiB "
@@ -156,14 +164,16 @@ def tables(report):
                      f"{cell(row['reserved_gb'], '.2f')} | {cell(row['peak_reserved_gb'], '.2f')} "
                      f"({cell(row.get('first_interval_peak_reserved_gb'), '.2f')}) | "
                      f"{cell(row['final_val_loss'], '.3f')} |")
+    imports = any("imports" in (row.get("wall_clock_s") or {}) for row in report["runs"])
     lines += ["", "Wall clock, in seconds: the whole command, then the run's own split from the moment its process "
-                  "started (the last line of its log; torchrun's start and the process's exit are outside it).", "",
+                  "started (the last line of its log; torchrun's start and the process's exit are outside it)."
+              + (" Start-up's imports: what came before the stage's main() began its set-up." if imports else ""), "",
               "| run | whole command | " + " | ".join(PHASES) + " |",
               "| --- | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for row in report["runs"]:
         split = row.get("wall_clock_s") or {}
         lines.append(f"| {row['run']} | {row['command_seconds']:.1f} | "
-                     + " | ".join(cell(split.get(phase), '.1f') for phase in PHASES) + " |")
+                     + " | ".join(phase_cell(split, phase) for phase in PHASES) + " |")
     return lines + ["", cache_note([row["run"] for row in report["runs"]]) + " Avg tok/sec leaves out each run's "
                         "first log interval (warm-up and compilation); memory is in GiB, reserved at the end of the "
                         "run and its peak."]

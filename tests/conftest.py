@@ -170,8 +170,9 @@ def check_wall_clock(stdout, out, compiled):
     import timekeeping
 
     split = json.loads((Path(out) / "metrics.json").read_text())["wall_clock_s"]
-    assert list(split) == [*timekeeping.WALL_CLOCK_PHASES, "total"], split
+    assert list(split) == [*timekeeping.WALL_CLOCK_PHASES, "total", "imports"], split
     assert abs(sum(split[phase] for phase in timekeeping.WALL_CLOCK_PHASES) - split["total"]) < 0.05, split
+    assert 0 < split["imports"] < split["start-up"], split  # importing PyTorch, then the stage's own set-up
     for phase in ("start-up", "training", "evaluation", "sampling", "checkpoints and outputs"):
         assert split[phase] > 0, (phase, split)
     assert (split["compilation"] > 0) == compiled, split

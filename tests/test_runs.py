@@ -218,6 +218,21 @@ def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_
     heartbeat.doing = "generating a sample"
     split = heartbeat.wall_clock()
     assert 0.6 <= split["compilation"] < 1.2, split
-    assert 0.2 <= split["training"] < 0.6, split  # without the compilation it started
+    assert 0.2 <= split["training"] < 0.75, split  # without the 0.6 s compilation it started
     assert 0.1 <= split["evaluation"] < 0.6 and 0.1 <= split["checkpoints and outputs"] < 0.6, split
     assert abs(split["total"] - timekeeping.process_age()) < 0.1, split  # the whole life of the process, start-up too
+
+
+def test_start_up_says_how_much_of_it_came_before_main_began_its_set_up():
+    import timekeeping
+
+    heartbeat = timekeeping.Heartbeat(every_s=3600)
+    before = timekeeping.process_age()
+    time.sleep(0.2)  # the stage's set-up: the data, the model, the GPU's own start
+    heartbeat.doing = "training: epoch 1, step 0"
+    split = heartbeat.wall_clock()
+    assert split["imports"] <= before + 0.05 and split["start-up"] >= split["imports"] + 0.19, split  # rounded to 0.01
+    assert f"start-up {split['start-up']:.1f} s (imports {split['imports']:.1f} s) + compilation" in (
+        timekeeping.wall_clock_line(split))
+    older = {key: value for key, value in split.items() if key != "imports"}  # a row recorded before the split
+    assert f"start-up {split['start-up']:.1f} s + compilation" in timekeeping.wall_clock_line(older)

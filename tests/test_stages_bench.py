@@ -104,6 +104,20 @@ def test_commands_into_one_folder_fill_one_table(tmp_path, monkeypatch):
     assert (out / "stages.json").read_bytes() == before and len(measured) == 5
 
 
+def test_the_wall_clock_table_names_start_ups_imports_where_a_run_recorded_them():
+    row = {"run": "01-cold", "command": "python 01_opt_single_gpu.py", "error": None, "steps": 1, "batch_size": 2,
+           "avg_tok_per_sec": 1.0, "mfu": None, "reserved_gb": None, "peak_reserved_gb": None, "final_val_loss": 5.0,
+           "command_seconds": 20.0, "wall_clock_s": {"start-up": 15.7, "compilation": 1.0, "training": 1.0,
+                                                     "evaluation": 1.0, "sampling": 0.5, "checkpoints and outputs": 0.5,
+                                                     "total": 19.7, "imports": 6.1}}
+    older = {**row, "run": "00", "wall_clock_s": {k: v for k, v in row["wall_clock_s"].items() if k != "imports"}}
+    lines = stages.tables({"runs": [row, older]})
+    assert "| 01-cold | 20.0 | 15.7 (imports 6.1) | 1.0 | 1.0 | 1.0 | 0.5 | 0.5 |" in lines, lines
+    assert "| 00 | 20.0 | 15.7 | 1.0 | 1.0 | 1.0 | 0.5 | 0.5 |" in lines, lines  # a row from before the split
+    assert any("Start-up's imports:" in line for line in lines)
+    assert not any("Start-up's imports:" in line for line in stages.tables({"runs": [older]}))
+
+
 def test_runs_missing_goes_on_where_the_folder_stopped(tmp_path, monkeypatch, capsys):
     """--runs missing, the same command again after one was cut off: the runs without a row, with 01-cold again
     where 01-warm is missing (its cache is gone with the command that filled it), then nothing."""
