@@ -144,9 +144,8 @@ class Heartbeat:
     def wall_clock(self):
         """Seconds since the process started, by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of
         start-up before the stage's main() began its set-up (the interpreter, the imports, the command line; in 02
-        and 03 the process group's start too), so
-        that the rest of start-up (the data, the model, the GPU's own start, the FLOP count) shows; for
-        metrics.json."""
+        and 03 the process group's start too), so that the rest of start-up (the data, the model, the GPU's own
+        start, the FLOP count) shows; for metrics.json."""
         self._close_phase("compilation" if self.compiling else self._phase_of(self._doing))
         split = {phase: round(seconds, 2) for phase, seconds in self.seconds.items()}
         return {**split, "total": round(sum(self.seconds.values()), 2), "imports": round(self.imports, 2)}
