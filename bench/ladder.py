@@ -130,7 +130,8 @@ def build_parser():
     parser.add_argument("--option", action="append", default=[], choices=tuple(OPTIONS), metavar="NAME",
                         help=f"a change to try on top of the composed rungs 0-10 before it goes into 01 "
                              f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets); the results "
-                             "go to a folder of their own (-<option> appended)")
+                             "go to a folder of their own (-<option> appended), whose table sets each rung "
+                             "beside the same rung measured without options in a folder beside it")
     parser.add_argument("--time-limit", type=cli.whole_number(1), metavar="SECONDS",
                         help="start no rung (nor the --check-scripts runs) that would end more than SECONDS after "
                              "the part began, judged by the rungs of its kind this part has run, and stop one that "

@@ -385,6 +385,7 @@ def render_markdown(report):
         "were taken at.",
         "",
     ]
+    lines += without_options_lines(report)
     if report.get("script_checks"):
         lines += [
             "Cross-check (`--check-scripts`): the stage scripts run as they are, with the same warm-up and "
@@ -478,11 +479,85 @@ def plot_ladder(report, path):
 # Writing the three files
 # ---------------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------------
+# An option's folder beside the same rungs without it
+# ---------------------------------------------------------------------------------------------
+
+def rungs_without_options(report, out):
+    """{rung: (row, folder)}: for a folder measured with --option, the same rungs measured without any, from the
+    folders beside it whose rows match in everything else (GPU, PyTorch, CUDA, every setting); the newest row of each
+    rung. Empty for a folder measured without options."""
+    if not report["settings"].get("options"):
+        return {}
+    out = Path(out).resolve()
+    here = {key: report[key] for key in ("device_name", "gpu_count", "torch", "cuda")}
+    here["settings"] = {**report["settings"], "options": None}
+    found = {}
+    for folder in sorted(path for path in out.parent.iterdir() if path != out and (path / rows.FOLDER).is_dir()):
+        try:
+            candidates = rows.read_rows(folder, "ladder.json")
+        except UsageError:  # not a ladder's rows, or an older version's folder: nothing to compare with
+            continue
+        for name, row in candidates.items():
+            if (name.startswith("rung-") and row.get("tokens_per_sec") and not row["context"]["settings"].get("options")
+                    and not rows.differences(row["context"], here, MATCHED)):
+                if row["rung"] not in found or row["measured_at"] > found[row["rung"]][0]["measured_at"]:
+                    found[row["rung"]] = (row, folder)
+    return found
+
+
+def attach_without_options(report, out):
+    """Each rung of an option's folder gets the same rung without the option (its tok/s, reserved memory, date and
+    folder) and the ratio, where the folders beside it hold one (rungs_without_options)."""
+    found = rungs_without_options(report, out)
+    for row in report["rungs"]:
+        row.pop("without_options", None)
+        match = found.get(row["rung"]) if row.get("tokens_per_sec") else None
+        if match:
+            other, folder = match
+            shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
+            row["without_options"] = {"tokens_per_sec": other["tokens_per_sec"], "mfu": other.get("mfu"),
+                                      "peak_reserved_gb": other.get("peak_reserved_gb"),
+                                      "measured_at": other["measured_at"], "folder": shown.as_posix(),
+                                      "ratio": row["tokens_per_sec"] / other["tokens_per_sec"]}
+
+
+def hours_between(first, second):
+    """Hours between two of timestamp()'s strings ("2026-11-26 02:08:24 UTC")."""
+    moments = [datetime.strptime(text, "%Y-%m-%d %H:%M:%S UTC") for text in (first, second)]
+    return abs((moments[0] - moments[1]).total_seconds()) / 3600
+
+
+def without_options_lines(report):
+    """The Markdown section that sets an option's rungs beside the same rungs without it; none where none is known."""
+    pairs = [row for row in report["rungs"] if row.get("without_options")]
+    if not pairs:
+        return []
+    folders = sorted({row["without_options"]["folder"] for row in pairs})
+    apart = max(hours_between(row["measured_at"], row["without_options"]["measured_at"]) for row in pairs)
+    lines = [f"Against the same rungs without `--option`, from `{'`, `'.join(folders)}` (the same GPU, PyTorch, "
+             "CUDA and settings):", "",
+             "| rung | tok/s with | tok/s without | with / without | peak reserved GiB with / without | measured with / "
+             "without (UTC) |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in pairs:
+        other = row["without_options"]
+        lines.append(f"| {row['rung']} | {_number(row['tokens_per_sec'])} | {_number(other['tokens_per_sec'])} | "
+                     f"{other['ratio']:.3f}× | {_number(row['peak_reserved_gb'], 2)} / "
+                     f"{_number(other['peak_reserved_gb'], 2)} | {row['measured_at'][:16]} / "
+                     f"{other['measured_at'][:16]} |")
+    lines += ["", f"Each side is its own command, the two up to {apart:.1f} h apart: a ratio of a few percent may be "
+                  "the two commands' difference (another machine of the kind, another moment) rather than the "
+                  "option's. To settle one, measure the rung into both folders in one session, one command after "
+                  "the other.", ""]
+    return lines
+
+
 def write_report(report, out, roofline=None, chart=True):
     """ladder.json, ladder.md and (unless `chart` is off) ladder.png in `out`, from collect()'s report; returns the
     table."""
     out = Path(out)
     attach_ceilings(report, roofline)
+    attach_without_options(report, out)
     files.write_json(out / "ladder.json", report)
     markdown = render_markdown(report)
     files.write_atomically(out / "ladder.md", markdown.encode("utf-8"))

@@ -348,6 +348,25 @@ def test_gpu_report_renders(tmp_path):
     assert "context" not in written["rungs"][0] and written["torch"] == "2.9.0"
 
 
+def test_an_options_folder_sets_its_rungs_beside_the_same_rungs_measured_without_it(tmp_path):
+    """--option measures into a folder of its own; its table names the same rungs from the folder beside it that
+    was measured the same way without the option, and how far apart the two commands ran. A folder measured with
+    another PyTorch or batch is no comparison."""
+    write_rows(tmp_path / "plain", hand_made_rows({9: (90.0, 5.0), 10: (100.0, 16.0)}, "2026-01-01 08:00:00 UTC"))
+    write_rows(tmp_path / "other-torch", hand_made_rows({10: (50.0, 1.0)}, "2026-01-01 09:00:00 UTC", torch="2.0.0"))
+    write_rows(tmp_path / "batch64", hand_made_rows({10: (60.0, 1.0)}, "2026-01-01 09:00:00 UTC", batch_size=64))
+    option = write_rows(tmp_path / "plain-cudnn-attention",
+                        hand_made_rows({10: (103.0, 16.0)}, "2026-01-01 10:30:00 UTC", options="cudnn-attention"))
+    markdown = report.write_report(report.collect(rows.read_rows(option, "ladder.json")), option, chart=False)
+    assert f"from `{tmp_path / 'plain'}`" in markdown, markdown
+    assert "| 10 | 103 | 100 | 1.030× | 16.00 / 16.00 | 2026-01-01 10:30 / 2026-01-01 08:00 |" in markdown, markdown
+    assert "the two up to 2.5 h apart" in markdown
+    assert json.loads((option / "ladder.json").read_text())["rungs"][0]["without_options"]["ratio"] == 1.03
+    plain = report.write_report(report.collect(rows.read_rows(tmp_path / "plain", "ladder.json")), tmp_path / "plain",
+                                 chart=False)
+    assert "Against the same rungs without" not in plain  # a folder without options is the comparison, not compared
+
+
 def test_the_table_is_the_rows_present_each_file_replaced_by_a_newer_one(tmp_path):
     """Two commands into one folder: the second's rows replace the first's for the rungs it measured again; the
     header is the newest row's; a command whose rows were all replaced leaves no trace; the speed-ups are taken
