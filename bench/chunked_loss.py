@@ -61,7 +61,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             # Each token's own logit, from its hidden state and its target's row of the weight (a batch of one-row
             # matmuls, in the logits' own precision) rather than read back from the logits: the loss reads nothing of
             # a chunk's logits then, so that wherever Inductor puts the loss's kernels, no logits wait for them (on
-            # an H200 a version that read them held every chunk's logits at once; the CPU's code held one)
+            # an H200 a version that read them held nine chunk-sized buffers at once; the CPU's code held one)
             own_logit = (hidden_chunk.unsqueeze(1) @ weight_cast[target_or_zero].transpose(1, 2)).float().squeeze(2)
             loss_sum = loss_sum + torch.where(kept, peak + log_total - own_logit, 0.0).sum()
             # counted x d loss / d logits = softmax - one_hot(target), zero on skipped rows. The division by

@@ -42,18 +42,12 @@ LADDER_BLOCK = ("<!-- ladder results: bench/readme_tables.py writes this paragra
 STAGES_BLOCK = ("<!-- stage results: bench/readme_tables.py writes this section -->", "<!-- /stage results -->")
 CEILINGS_BLOCK = ("<!-- measured against the ceilings: bench/readme_tables.py writes this table -->",
                   "<!-- /measured against the ceilings -->")
-CEILINGS_PLACEHOLDER = ("**Measured against the ceilings:** no ladder measured on a GPU whose roofline `docs/roofline/` "
-                        "ships (or with `--roofline`) yet.")
+CEILINGS_PLACEHOLDER = ("**Measured against the ceilings:** no ladder measured on a GPU whose roofline "
+                        "`docs/roofline/` ships (or with `--roofline`) yet.")
 LADDER_PLACEHOLDER = ("**Measured here:** no GPU run yet. `python bench/readme_tables.py bench/results/<gpu>` writes "
                       "the ladder of a results folder into this column and its stages into [Results](#results).")
 STAGES_PLACEHOLDER = ("**The stages end to end on a GPU:** no GPU run yet (`python bench/stages.py`, then "
                       "`python bench/readme_tables.py bench/results/<gpu>`).")
-
-
-def shown_folder(folder):
-    """The folder as the README names it: relative to the repository where it lies inside it."""
-    folder = Path(folder).resolve()
-    return folder.relative_to(ROOT).as_posix() if ROOT in folder.parents else folder.as_posix()
 
 
 def read_folder(folder):
@@ -117,9 +111,9 @@ def ladder_paragraph(ladder, folder):
         f"**Measured here:** {ladder['device_name']}"
         + (f" ({ladder['gpu_count']} visible)" if (ladder.get("gpu_count") or 1) > 1 else "") + ", PyTorch "
         f"{ladder['torch']}, CUDA {ladder.get('cuda') or 'n/a'}, driver {ladder.get('driver') or 'n/a'}, "
-        f"{measured_dates(ladder['rungs'])}, by `bench/ladder.py` into `{shown_folder(folder)}/` (its `ladder.md` "
-        "gives each row's spread, MFU, ceiling and the commands). Each cell: the median tok/s of the timed steps, the "
-        "peak reserved GiB of the run and, in brackets, the speed-up over the step above."]
+        f"{measured_dates(ladder['rungs'])}, by `bench/ladder.py` into `{report.repository_path(folder)}/` (its "
+        "`ladder.md` gives each row's spread, MFU, ceiling and the commands). Each cell: the median tok/s of the timed "
+        "steps, the peak reserved GiB of the run and, in brackets, the speed-up over the step above."]
     if 0 in measured and 10 in measured:
         mfu = measured[10].get("mfu")
         sentences.append(f"All ten steps: {measured[10]['tokens_per_sec'] / measured[0]['tokens_per_sec']:.2f}× "
@@ -173,8 +167,8 @@ def stages_section(stages, folder):
     dates = sorted(part["date"][:10] for part in stages["parts"])
     lines = [f"**The stages end to end** on the {stages['device']}, PyTorch {stages['torch']}, CUDA "
              f"{stages.get('cuda') or 'n/a'}, {dates[0] if dates[0] == dates[-1] else f'{dates[0]} to {dates[-1]}'}, "
-             f"by `bench/stages.py` into `{shown_folder(folder)}/stages/` (its `stages.md` has the commands and "
-             "the logs). Each run with the stage's own defaults.", "", *stage_tables(stages)]
+             f"by `bench/stages.py` into `{report.repository_path(folder)}/stages/` (its `stages.md` has the "
+             "commands and the logs). Each run with the stage's own defaults.", "", *stage_tables(stages)]
     speeds = {name: row.get("avg_tok_per_sec") for name, row in runs.items() if not row.get("error")}
     against = [f"{later} over {earlier}: {speeds[later] / speeds[earlier]:.3f}× ({target})"
                for later, earlier, target in (("01-warm", "00", "target: at least 12×"),

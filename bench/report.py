@@ -65,6 +65,12 @@ ROOFLINE_NAME = "roofline.json"
 SHIPPED_ROOFLINES = ROOT / "docs" / "roofline"  # bench/roofline.py's for the GPUs of the README
 
 
+def repository_path(path):
+    """A path as this repository names it: relative to its root where it lies inside, else as it is (POSIX)."""
+    path = Path(path).resolve()
+    return (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix()
+
+
 def timestamp(moment=None):
     """A UTC time as the report writes it; such strings sort in time order."""
     return (moment or datetime.now(timezone.utc)).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -206,7 +212,7 @@ def shipped_roofline(device_name, settings, say):
     """The roofline this repository ships that models these rungs, or None."""
     for path, roofline in shipped_rooflines():
         if roofline_mismatch(roofline, device_name, settings) is None:
-            say(f"Ceilings from {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, the roofline "
+            say(f"Ceilings from {repository_path(path)}, the roofline "
                 f"shipped for the {roofline['gpu']} (--roofline gives another)")
             return roofline
     return None
@@ -247,9 +253,7 @@ def attach_ceilings(report, roofline):
     """Each row's ceiling and measured / ceiling, or no such keys at all without a roofline."""
     if roofline is None:
         return
-    path = Path(roofline["path"]).resolve()
-    report["roofline"] = {"path": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
-                          "gpu": roofline["gpu"]}
+    report["roofline"] = {"path": repository_path(roofline["path"]), "gpu": roofline["gpu"]}
     for row in report["rungs"]:
         ceiling = roofline["ceilings"].get(row["rung"])
         row["ceiling_tok_per_sec"] = ceiling
@@ -515,10 +519,10 @@ def attach_without_options(report, out):
         match = found.get(row["rung"]) if row.get("tokens_per_sec") else None
         if match:
             other, folder = match
-            shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
             row["without_options"] = {"tokens_per_sec": other["tokens_per_sec"], "mfu": other.get("mfu"),
                                       "peak_reserved_gb": other.get("peak_reserved_gb"),
-                                      "measured_at": other["measured_at"], "folder": shown.as_posix(),
+                                      "measured_at": other["measured_at"],
+                                      "folder": repository_path(folder),
                                       "ratio": row["tokens_per_sec"] / other["tokens_per_sec"]}
 
 
@@ -537,8 +541,8 @@ def without_options_lines(report):
     apart = max(hours_between(row["measured_at"], row["without_options"]["measured_at"]) for row in pairs)
     lines = [f"Against the same rungs without `--option`, from `{'`, `'.join(folders)}` (the same GPU, PyTorch, "
              "CUDA and settings):", "",
-             "| rung | tok/s with | tok/s without | with / without | peak reserved GiB with / without | measured with / "
-             "without (UTC) |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| rung | tok/s with | tok/s without | with / without | peak reserved GiB with / without "
+             "| measured with / without (UTC) |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in pairs:
         other = row["without_options"]
         lines.append(f"| {row['rung']} | {_number(row['tokens_per_sec'])} | {_number(other['tokens_per_sec'])} | "

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # inspection and bench.report, wherever the script is started from
 
 import failures  # noqa: E402  (needs the path above)
-from bench.report import same_gpu, shipped_rooflines  # noqa: E402
+from bench.report import repository_path, same_gpu, shipped_rooflines  # noqa: E402
 from data import UsageError  # noqa: E402
 from inspection import (GPU_BUSY_CATEGORIES, GPU_TIME_CLASSES, WORK_CLASSES, WORK_LABELS,  # noqa: E402
                         gpu_time_per_step, kernel_class)
@@ -84,10 +84,8 @@ def roofline_floors(path, rung, gpu_name):
                          f"python bench/roofline.py --gpu '{gpu_name}' --out DIR for this GPU")
     row = rows[rung]
     floors = {work: row["classes"][work]["floor_seconds"] for work in WORK_CLASSES}
-    shown = Path(path).resolve()
-    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else path  # the repository's own: as it names it
-    what = (f"roofline: {shown}, rung {rung} ({row.get('change', '')}) on the {roofline['gpu']}, batch "
-            f"{row['batch_size']} x {row['context_length']} tokens, floor {1e3 * row['floor_seconds']:.2f} ms")
+    what = (f"roofline: {repository_path(path)}, rung {rung} ({row.get('change', '')}) on the {roofline['gpu']}, "
+            f"batch {row['batch_size']} x {row['context_length']} tokens, floor {1e3 * row['floor_seconds']:.2f} ms")
     return floors, what
 
 
