@@ -1,6 +1,6 @@
 """Published measurements of other GPT-2-small trainings beside this repository's roofline ceilings.
 
-  python bench/published.py     # the README's table, in markdown, to stdout (about 10 s of CPU)
+  python bench/published.py     # docs/roofline.md's table, in markdown, to stdout (about 10 s of CPU)
 
 Until this repository measures its own GPU numbers, these show that the roofline describes reality: every ceiling
 must lie above what others measured doing the same work on the same GPU at the same batch (the test suite checks

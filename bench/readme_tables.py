@@ -1,17 +1,18 @@
-"""Write a results folder's measurements into README.md, or check that the README still shows them.
+"""Write results folders' measurements into docs/results.md and the README, or check that they still show them.
 
-  python bench/readme_tables.py bench/results/nvidia-h100-80gb-hbm3           # fill the README from the folder
-  python bench/readme_tables.py bench/results/nvidia-h100-80gb-hbm3 --check   # exit 1 where they differ
+  python bench/readme_tables.py bench/results/nvidia-h200           # fill docs/results.md and the README
+  python bench/readme_tables.py bench/results/nvidia-h200 --check   # exit 1 where they differ
 
 The folder is what bench/ladder.py wrote (its rows/) and, in its stages/ subfolder, what bench/stages.py wrote
-(stages/rows/). From the ladder: the "measured here" column of the README's table of the ten optimizations (median
-tok/s, peak reserved GiB and the speed-up over the step above, for steps 0 to 10) and a paragraph under it with the
-GPU, the versions, the dates, step 10 over step 0, the steps that did not pay and rungs 11 and 12; where the rows
-have ceilings (a GPU whose roofline docs/roofline/ ships), a table of each step beside its ceiling in the roofline
-section. From the stages:
-a table in the README's Results section, each run's Avg tok/sec, MFU, memory and wall clock split into phases.
-Nothing is typed by hand, so a figure in the README is always one of the folder's, and --check (run by the test
-suite on the folder the README names) notices a README edited by hand or a folder measured again.
+(stages/rows/). Into docs/results.md, from the ladder: the "measured here" column of the table of the ten
+optimizations (median tok/s, peak reserved GiB and the speed-up over the step above, for steps 0 to 10) and a
+paragraph under it with the GPU, the versions, the dates, step 10 over step 0, the steps that did not pay and rungs
+11 and 12; where the rows have ceilings (a GPU whose roofline docs/roofline/ ships), a table of each step beside its
+ceiling. From the stages: a table of each run's Avg tok/sec, MFU, memory and wall clock split into phases.
+Into the README: the results at a glance, from every folder under bench/results/ measured at the stages' own
+settings (00, 01 and 02 of each GPU: the ladder's tok/s, MFU and memory, and the stages' whole runs).
+Nothing is typed by hand, so a figure is always one of a folder's, and --check (run by the test suite on the folder
+the results page names) notices a page edited by hand or a folder measured again.
 
 Only a ladder at the stages' own settings fills the table: not --tiny, gpt2-small, each stage's own batch, no
 --option (exit code 2 for another, naming what differs).
@@ -34,25 +35,30 @@ from bench.stages import tables as stage_tables  # noqa: E402
 from data import UsageError  # noqa: E402
 
 README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "results.md"  # every table; the README shows the glance table
+RESULTS = ROOT / "bench" / "results"
 TABLE_HEADING = "## The ten optimizations of stage 01"
 STEPS = range(11)  # the table's rows: step 0 (the baseline) to step 10 (01 as it is)
 PAYS = 1.02  # a step that gains less than 2% over the step above "did not pay" on this GPU
 NOT_MEASURED = "no GPU run yet"
 LADDER_BLOCK = ("<!-- ladder results: bench/readme_tables.py writes this paragraph -->", "<!-- /ladder results -->")
 STAGES_BLOCK = ("<!-- stage results: bench/readme_tables.py writes this section -->", "<!-- /stage results -->")
+GLANCE_BLOCK = ("<!-- at a glance: bench/readme_tables.py writes this table -->", "<!-- /at a glance -->")
+GLANCE_PLACEHOLDER = "No GPU measured yet: `python bench/readme_tables.py bench/results/<gpu>` writes this table."
 CEILINGS_BLOCK = ("<!-- measured against the ceilings: bench/readme_tables.py writes this table -->",
                   "<!-- /measured against the ceilings -->")
 CEILINGS_PLACEHOLDER = ("**Measured against the ceilings:** no ladder measured on a GPU whose roofline "
                         "`docs/roofline/` ships (or with `--roofline`) yet.")
 LADDER_PLACEHOLDER = ("**Measured here:** no GPU run yet. `python bench/readme_tables.py bench/results/<gpu>` writes "
-                      "the ladder of a results folder into this column and its stages into [Results](#results).")
+                      "the ladder of a results folder into this column and its stages into [the stages end to end]"
+                      "(#the-stages-end-to-end-and-on-the-cpu).")
 STAGES_PLACEHOLDER = ("**The stages end to end on a GPU:** no GPU run yet (`python bench/stages.py`, then "
                       "`python bench/readme_tables.py bench/results/<gpu>`).")
 
 
 def read_folder(folder):
     """(ladder report, stages report or None) of a results folder, rendered from its rows; a UsageError for a folder
-    the README cannot show (no rows, or a ladder measured at other settings than the stages' own)."""
+    the results page cannot show (no rows, or a ladder measured at other settings than the stages' own)."""
     folder = Path(folder)
     found = rows.read_rows(folder, "ladder.json")
     if not any(name.startswith("rung-") for name in found):
@@ -67,18 +73,18 @@ def read_folder(folder):
         (f"--batch-size {settings.get('batch_size')}", settings.get("batch_size") is not None),
         (f"--option {settings.get('options')}", bool(settings.get("options")))) if differs]
     if other:
-        raise UsageError(f"{folder} was measured with {', '.join(other)}: the README's table shows the stages at their "
+        raise UsageError(f"{folder} was measured with {', '.join(other)}: the results' tables show the stages at their "
                          "own settings (python bench/ladder.py with none of these)")
     stage_rows = rows.read_rows(folder / "stages", "stages.json")
     stages = stage_collect(stage_rows) if stage_rows else None
     if stages is not None and (stages.get("tiny") or stages.get("device_name") != ladder.get("device_name")):
         raise UsageError(f"{folder}/stages was measured {'with --tiny' if stages.get('tiny') else 'on another device'}"
-                         ": the README sets the stages beside the ladder of the same GPU")
+                         ": the results page sets the stages beside the ladder of the same GPU")
     return ladder, stages
 
 
 # ---------------------------------------------------------------------------------------------
-# What the README shows
+# What the results page and the README show
 # ---------------------------------------------------------------------------------------------
 
 def ratio(row, name="step"):
@@ -179,8 +185,53 @@ def stages_section(stages, folder):
     return "\n".join(lines)
 
 
+def glance_folders(results=RESULTS):
+    """The results folders the README's glance table draws from: each GPU's ladder at the stages' own settings."""
+    found = []
+    for folder in sorted(Path(results).iterdir()) if Path(results).is_dir() else []:
+        try:
+            found.append((folder, *read_folder(folder)))
+        except UsageError:
+            continue  # an --option, --batch-size or --tiny folder: not the stages as they are
+    return found
+
+
+def glance_table(folders):
+    """00, 01 and 02 of every GPU in one table: the ladder's steady-state tok/s, MFU and peak memory (rungs 0, 10
+    and 11), and the wall clock of the stages' whole default runs where bench/stages.py measured them."""
+    if not folders:
+        return GLANCE_PLACEHOLDER
+    lines = ["| GPU (PyTorch, date) | stage | tok/s, steady state | MFU (against the peak of) | peak reserved GiB | "
+             "the whole default run |", "| --- | --- | ---: | ---: | ---: | --- |"]
+    speedups = []
+    for folder, ladder, stages in folders:
+        runs = {row["run"]: row for row in (stages or {}).get("runs", []) if not row.get("error")}
+        rungs = {row["rung"]: row for row in ladder["rungs"] if row.get("tokens_per_sec") and not row.get("error")}
+        gpu = ladder["device_name"].removeprefix("NVIDIA ")
+        for rung, stage, names in ((0, "00", ("00",)), (10, "01", ("01-warm", "01-cold")), (11, "02", ("02",))):
+            row = rungs.get(rung)
+            if row is None:
+                continue
+            if rung == 11:
+                stage += f", {row.get('world_size') or 1} process" + ("es" if (row.get("world_size") or 1) > 1 else "")
+            wall = [f"{runs[name]['command_seconds']:.1f} s" + {"01-warm": " (compile cache warm)", "01-cold":
+                    " (empty)", "02": " (empty cache)"}.get(name, "") for name in names if name in runs]
+            if names == ("00",) and "00" in runs and "--max-steps" in runs["00"]["command"]:
+                wall = [f"{wall[0]} for its first {runs['00']['steps']} steps (`--max-steps {runs['00']['steps']}`)"]
+            mfu = "n/a" if row.get("mfu") is None else f"{row['mfu']:.1%}" + (f" ({row['precision']})" if row.get("precision")
+                                                                      else "")
+            reserved = "n/a" if row.get("peak_reserved_gb") is None else f"{row['peak_reserved_gb']:.2f}"
+            lines.append(f"| {gpu} ({ladder['torch']}, {measured_dates([row])}) | {stage} | "
+                         f"{row['tokens_per_sec']:,.0f} | {mfu} | {reserved} | {', '.join(wall) or 'not measured yet'} |")
+        if 0 in rungs and 10 in rungs:
+            speedups.append(f"{rungs[10]['tokens_per_sec'] / rungs[0]['tokens_per_sec']:.2f}x on the {gpu}")
+    paths = ", ".join(f"`{report.repository_path(folder)}`" for folder, _, _ in folders)
+    lines += ["", f"01 over 00, steady state: {'; '.join(speedups)}. From {paths} (bench/ladder.py, bench/stages.py)."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
-# The README's text
+# The pages' text
 # ---------------------------------------------------------------------------------------------
 
 def _table_rows(text):
@@ -194,12 +245,12 @@ def _table_rows(text):
         if len(rows) == len(STEPS):
             break
     if sorted(rows) != list(STEPS):
-        raise ValueError(f"README.md: the table under '{TABLE_HEADING}' has no rows for steps 0 to 10")
+        raise ValueError(f"the results page: the table under '{TABLE_HEADING}' has no rows for steps 0 to 10")
     return rows
 
 
 def measured_cells(text):
-    """{step: the text of its "measured here" cell} as the README has them."""
+    """{step: the text of its "measured here" cell} as the results page has them."""
     return {step: text[start:end].rstrip(" |").rsplit(" | ", 1)[1] for step, (start, end) in _table_rows(text).items()}
 
 
@@ -214,7 +265,7 @@ def block(text, markers):
     begin, end = markers
     first, last = text.find(begin), text.find(end)
     if first < 0 or last < first:
-        raise ValueError(f"README.md has no block between '{begin}' and '{end}'")
+        raise ValueError(f"the page has no block between '{begin}' and '{end}'")
     return text[first + len(begin):last].strip("\n")
 
 
@@ -224,7 +275,7 @@ def _with_block(text, markers, body):
 
 
 def filled(text, ladder, stages, folder):
-    """The README's text with the folder's measurements in the table, the paragraph under it and Results."""
+    """The results page's text with the folder's measurements in the table, the paragraph under it and the stages."""
     rows = {row["rung"]: row for row in ladder["rungs"]}
     text = _with_cells(text, {step: measured_cell(rows.get(step)) for step in STEPS})
     text = _with_block(text, LADDER_BLOCK, ladder_paragraph(ladder, folder))
@@ -233,24 +284,24 @@ def filled(text, ladder, stages, folder):
 
 
 def unfilled(text):
-    """The README as it reads before any GPU run (what the suite checks while no folder is named)."""
+    """The results page as it reads before any GPU run (what the suite checks while no folder is named)."""
     text = _with_cells(text, {step: NOT_MEASURED for step in STEPS})
     text = _with_block(_with_block(text, LADDER_BLOCK, LADDER_PLACEHOLDER), CEILINGS_BLOCK, CEILINGS_PLACEHOLDER)
     return _with_block(text, STAGES_BLOCK, STAGES_PLACEHOLDER)
 
 
 def named_folder(text):
-    """The results folder the README's ladder paragraph names, or None before any GPU run."""
+    """The results folder the results page's ladder paragraph names, or None before any GPU run."""
     match = re.search(r"into `([^`]+)/`", block(text, LADDER_BLOCK))
     return ROOT / match.group(1) if match else None
 
 
 def differences(text, expected):
-    """Lines naming what differs between the README's text and the expected one."""
-    found = [f"step {step}: the README shows '{shown}', the folder gives '{measured_cells(expected)[step]}'"
+    """Lines naming what differs between the results page's text and the expected one."""
+    found = [f"step {step}: the page shows '{shown}', the folder gives '{measured_cells(expected)[step]}'"
              for step, shown in measured_cells(text).items() if shown != measured_cells(expected)[step]]
     for markers, what in ((LADDER_BLOCK, "the paragraph under the table"), (CEILINGS_BLOCK, "the table beside the "
-                          "roofline's ceilings"), (STAGES_BLOCK, "the stages in Results")):
+                          "roofline's ceilings"), (STAGES_BLOCK, "the stages end to end")):
         if block(text, markers) != block(expected, markers):
             found.append(f"{what} differs from what the folder gives")
     return found
@@ -260,29 +311,39 @@ def main(argv=None):
     parser = cli.OneLineParser(prog="bench/readme_tables.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="a results folder: bench/results/<gpu> (ladder.json, stages/stages.json)")
-    parser.add_argument("--check", action="store_true", help="change nothing: exit 1 where the README differs")
-    parser.add_argument("--readme", default=str(README), help="the README to fill or check (default: README.md)")
+    parser.add_argument("--check", action="store_true", help="change nothing: exit 1 where a page differs")
+    parser.add_argument("--page", default=str(PAGE), help="the results page to fill or check (default: docs/results.md)")
+    parser.add_argument("--readme", default=str(README), help="the README whose glance table to fill or check "
+                                                              "(default: README.md)")
+    parser.add_argument("--results", default=str(RESULTS), help="the folder of results folders the glance table "
+                                                                "draws from (default: bench/results)")
     args = parser.parse_args(argv)
     try:
         ladder, stages = read_folder(args.folder)
-        text = Path(args.readme).read_text(encoding="utf-8")
+        text = Path(args.page).read_text(encoding="utf-8")
         expected = filled(text, ladder, stages, args.folder)
+        readme = Path(args.readme).read_text(encoding="utf-8")
+        glance = glance_table(glance_folders(args.results))
+        expected_readme = _with_block(readme, GLANCE_BLOCK, glance)
     except (UsageError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return failures.EXIT_USAGE
     if args.check:
-        found = differences(text, expected)
+        found = [f"{args.page}: {line}" for line in differences(text, expected)]
+        if block(readme, GLANCE_BLOCK) != glance:
+            found.append(f"{args.readme}: the results at a glance differ from what {args.results} gives")
         for line in found:
-            print(f"{args.readme}: {line}", file=sys.stderr)
+            print(line, file=sys.stderr)
         if found:
             print(f"to write the folder's figures: python bench/readme_tables.py {args.folder}", file=sys.stderr)
         return failures.EXIT_FAILED if found else failures.EXIT_OK
-    Path(args.readme).write_text(expected, encoding="utf-8")
-    print(f"Wrote the measurements of {args.folder} into {args.readme}: steps "
+    Path(args.page).write_text(expected, encoding="utf-8")
+    Path(args.readme).write_text(expected_readme, encoding="utf-8")
+    print(f"Wrote the measurements of {args.folder} into {args.page}: steps "
           f"{', '.join(str(row['rung']) for row in ladder['rungs'] if row['rung'] in STEPS)} of the table"
-          + (f", and {len(stages['runs'])} stage run(s) into Results" if stages else ""))
+          + (f", and {len(stages['runs'])} stage run(s)" if stages else "")
+          + f"; and the results at a glance of {args.results} into {args.readme}")
     return failures.EXIT_OK
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -98,9 +98,9 @@ def test_the_header_sets_the_counted_flops_beside_the_formula(small_text, tmp_pa
     assert "padded vocabulary columns" in line
 
 
-def test_readme_has_a_looking_inside_a_run_section():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Looking inside a run", 1)[1].split("\n## ", 1)[0]
+def test_the_measuring_page_has_a_looking_inside_a_run_section():
+    page = (ROOT / "docs" / "measuring.md").read_text(encoding="utf-8")
+    section = page.split("## Looking inside a run", 1)[1].split("\n## ", 1)[0]
     for text in ("--profile", "--memory-snapshot", "memory_viz", "expandable_segments", "FlopCounterMode",
                  "pytorch.org/docs"):
         assert text in section, text

@@ -1,5 +1,5 @@
-"""bench/readme_tables.py: a results folder's figures go into the README by a command, never by hand, and the README
-either shows no GPU figure at all or exactly those of the folder it names."""
+"""bench/readme_tables.py: a results folder's figures go into docs/results.md and the README's glance table by a
+command, never by hand, and the pages either show no GPU figure at all or exactly those of the folders they name."""
 
 
 import pytest
@@ -41,13 +41,21 @@ def folder(tmp_path, monkeypatch):
 
 @pytest.fixture
 def readme(tmp_path):
-    path = tmp_path / "README.md"
-    path.write_text((ROOT / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    """A copy of the results page (the fixture's name is the page's old home), and of the README beside it."""
+    (tmp_path / "README.md").write_text((ROOT / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    path = tmp_path / "results.md"
+    path.write_text((ROOT / "docs" / "results.md").read_text(encoding="utf-8"), encoding="utf-8")
     return path
 
 
+def pages(folder, readme):
+    """The flags that point the command at the copies and at the folder's parent for the glance table."""
+    return [str(folder), "--page", str(readme), "--readme", str(readme.parent / "README.md"),
+            "--results", str(folder.parent)]
+
+
 def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, capsys):
-    assert readme_tables.main([str(folder), "--readme", str(readme)]) == 0
+    assert readme_tables.main(pages(folder, readme)) == 0
     text = readme.read_text(encoding="utf-8")
     cells = readme_tables.measured_cells(text)
     assert cells[0] == "20,000, 30.10" and cells[1] == "20,050, 30.00 (1.00×)" and cells[2] == "41,000, 30.00 (2.04×)"
@@ -67,30 +75,34 @@ def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, 
             in results) and "| 01-warm | 50.0 | 4.0 | 30.5 | 12.0 | 2.0 | 0.5 | 1.0 |" in results
     assert "01-warm over 00: 14.780× (target: at least 12×); 02 over 01-warm: 0.987× (target: within 2%)" in results
     # the rest of the README is untouched: emptied again, it is the README as it was, emptied the same way
-    assert readme_tables.unfilled(text) == readme_tables.unfilled((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert readme_tables.unfilled(text) == readme_tables.unfilled((ROOT / "docs" / "results.md").read_text(encoding="utf-8"))
     assert readme_tables.named_folder(text) == folder
 
-    assert readme_tables.main([str(folder), "--readme", str(readme), "--check"]) == 0
+    glance = readme_tables.block((readme.parent / "README.md").read_text(encoding="utf-8"), readme_tables.GLANCE_BLOCK)
+    assert "| X (2.9.0, 2026-01-01) | 01 | 300,000 | 30.0% | 15.90 |" in glance
+    assert "| 02, 1 process | 297,000 |" in glance and "50.0 s (compile cache warm), 50.0 s (empty)" in glance
+    assert "01 over 00, steady state: 15.00x on the X." in glance
+    assert readme_tables.main([*pages(folder, readme), "--check"]) == 0
     readme.write_text(text.replace("| 41,000, 30.00 (2.04×) |", "| 42,000, 30.00 (2.04×) |"), encoding="utf-8")
     capsys.readouterr()
-    assert readme_tables.main([str(folder), "--readme", str(readme), "--check"]) == 1
-    assert "step 2: the README shows '42,000, 30.00 (2.04×)', the folder gives '41,000, 30.00 (2.04×)'" in (
+    assert readme_tables.main([*pages(folder, readme), "--check"]) == 1
+    assert "step 2: the page shows '42,000, 30.00 (2.04×)', the folder gives '41,000, 30.00 (2.04×)'" in (
         capsys.readouterr().err)
 
 
 def test_a_ladder_at_other_settings_is_refused(folder, readme, capsys):
     write_rows(folder, hand_made_rows(SPEEDS, "2026-01-02 00:00:00 UTC", batch_size=8))  # newer: the header's
     before = readme.read_text(encoding="utf-8")
-    assert readme_tables.main([str(folder), "--readme", str(readme)]) == 2
+    assert readme_tables.main(pages(folder, readme)) == 2
     assert "measured with --batch-size 8" in capsys.readouterr().err and readme.read_text(encoding="utf-8") == before
-    assert readme_tables.main([str(folder / "stages"), "--readme", str(readme)]) == 2  # no ladder rows there
+    assert readme_tables.main(pages(folder / "stages", readme)) == 2  # no ladder rows there
 
 
-def test_the_readme_shows_no_gpu_figure_or_those_of_the_folder_it_names():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_pages_show_no_gpu_figure_or_those_of_the_folders_they_name():
+    text = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     named = readme_tables.named_folder(text)
     if named is None:
-        assert text == readme_tables.unfilled(text), "a figure typed into the README by hand"
+        assert text == readme_tables.unfilled(text), "a figure typed into the results page by hand"
     else:
         assert readme_tables.main([str(named), "--check"]) == 0
 
