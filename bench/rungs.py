@@ -56,6 +56,32 @@ CHANGES = {
     11: "DDP on every GPU: 02_opt_multi_gpu_ddp.py",
     12: "FSDP2 on every GPU: 03_opt_multi_gpu_fsdp.py",
 }
+# What a rung is built of, and where each part comes from: 01's from the rung named "from_01" on, 00's before it
+# (None: neither stage's, the lines are bench/rungs.py's own). "steps" are the steps whose lines lie in the part. A
+# step before its part's first rung from 01 is put into 00's part here (steps 1 and 6 into 00's model); a step after
+# it is left out of 01's part until the step's rung (autocast and torch.compile, out of 01's loss path). compose()
+# and compose_for_gpu() pick each part's stage by this table, and `python -m bench.steps N` prints it for rung N (it
+# reads the literal without importing torch, so it stays a plain literal).
+RUNG_PARTS = {
+    "model config": {"from_01": 9, "steps": (9,), "names": "GPT_CONFIG_124M, or TINY_CONFIG with --tiny"},
+    "settings": {"from_01": 10, "steps": (10,), "names": "OTHER_SETTINGS, or TINY_SETTINGS with --tiny"},
+    "model": {"from_01": 7, "steps": (1, 6, 7), "names": "GPTModel and the modules it is built of"},
+    "loss path": {"from_01": 4, "steps": (4, 5, 8),
+                  "names": "SlidingWindowDataset, create_dataloader, calc_loss_batch and what it calls"},
+    "set-up": {"from_01": None, "steps": (2, 3),
+               "names": "the float32 matmul precision and the AdamW optimizer, made as 01's main() makes them"},
+    "training step": {"from_01": None, "steps": (),
+                      "names": "Rung.train_step (the stages' backward and optimizer lines, with step 5's gradient "
+                               "scaler) and the clock of measure()"},
+}
+
+
+def takes_01(part, number):
+    """Whether rung `number` takes `part` (a key of RUNG_PARTS) from 01 rather than from 00."""
+    first = RUNG_PARTS[part]["from_01"]
+    return first is not None and number >= first
+
+
 # Measured options: a change tried on top of the composed rungs (0-10) before it earns a place in 01: a setting of
 # PyTorch that a reader could add to 01 in a line, or (chunked-loss) a function that would replace one of 01's. The
 # ladder measures a rung with and without one (--option NAME, into a results folder of its own) and the change is
@@ -265,14 +291,14 @@ class _DevicesWithoutAutocast:
 def model_config(number, tiny, stage00, stage01, model="gpt2-small"):
     """The model config dict of rung `number` at size `model`, picked as the stages pick it (--tiny wins):
     step 9 (the padded vocabulary) comes with 01's."""
-    stage = stage01 if number >= 9 else stage00
+    stage = stage01 if takes_01("model config", number) else stage00
     return dict(stage.TINY_CONFIG) if tiny else {**stage.GPT_CONFIG_124M, **cli.MODEL_SIZES[model]}
 
 
 def training_settings(number, tiny, stage00, stage01, batch_size=None):
     """The settings dict (batch size, learning rate...) of rung `number`: step 10 comes with 01's.
     `batch_size` replaces the stage's own, as the stages' --batch-size does."""
-    stage = stage01 if number >= 10 else stage00
+    stage = stage01 if takes_01("settings", number) else stage00
     settings = dict(stage.TINY_SETTINGS if tiny else stage.OTHER_SETTINGS)
     if batch_size is not None:
         settings["batch_size"] = batch_size
@@ -327,20 +353,8 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     # measures it instead). Rungs 0-6 do not call SDPA.
     torch.backends.cuda.enable_cudnn_sdp("cudnn-attention" in options)
 
-    # The model. From rung 7 on every model part is 01's, so 01's GPTModel itself is used;
-    # before that, stage 00's GPTModel with its module globals swapped for the steps taken so far
-    # (its TransformerBlock, FeedForward and GPTModel look these names up when they are built).
-    if number >= 7:
-        model_stage = stage01
-    else:
-        model_stage = stage00
-        if number >= 1:
-            stage00.MultiHeadAttention = on_the_fly_mask_attention(stage00)
-        if number >= 6:
-            stage00.LayerNorm = native_layer_norm
-            stage00.GELU = native_gelu
     torch.manual_seed(seed)
-    model = model_stage.GPTModel(cfg).to(device)
+    model = stage_model(number, stage00, stage01).GPTModel(cfg).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"],
@@ -349,9 +363,9 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     # Steps 4, 5 and 8 live in 01's loss path, calc_loss_batch: pinned batches and non_blocking copies (on CUDA),
     # then autocast around forward and loss, compiled. This rung's copy of 01 leaves out the
     # steps it has not reached: no autocast before step 5, the eager forward and loss before step 8.
-    data_stage = stage01 if number >= 4 else stage00
+    data_stage = stage01 if takes_01("loss path", number) else stage00
     if "chunked-loss" in options:  # --option chunked-loss: before training_loss is pointed at forward_and_loss below
-        if number >= 4:
+        if takes_01("loss path", number):
             stage01.forward_and_loss = chunked_loss.forward_and_loss
         else:
             notes.append("no effect here: chunked-loss replaces 01's forward_and_loss, and this rung's loss is 00's")
@@ -396,9 +410,9 @@ class ModelledRung:
 def stage_model(number, stage00, stage01):
     """The stage module whose GPTModel is rung `number`'s, its globals swapped for the steps taken so far.
 
-    The same choice as compose's: from rung 7 on every model part is 01's; before that stage 00's GPTModel,
-    which looks its MultiHeadAttention, LayerNorm and GELU up among its module globals when it is built."""
-    if number >= 7:
+    From rung 7 on (RUNG_PARTS) every model part is 01's, so 01's GPTModel itself is used; before that stage 00's
+    GPTModel, which looks its MultiHeadAttention, LayerNorm and GELU up among its module globals when it is built."""
+    if takes_01("model", number):
         return stage01
     if number >= 1:
         stage00.MultiHeadAttention = on_the_fly_mask_attention(stage00)
@@ -434,7 +448,7 @@ def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-sm
     optimizer = torch.optim.AdamW(net.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"],
                                   fused=True if number >= 3 else None, foreach=None if number >= 3 else True)
-    if number >= 4:  # 01's calc_loss_batch, less its copies to the GPU (step 4), autocast (5) and compile (8)
+    if takes_01("loss path", number):  # 01's calc_loss_batch, less its GPU copies (step 4), autocast (5), compile (8)
         def loss(inputs, targets):
             return stage01.forward_and_loss(net, inputs, targets)
     else:
