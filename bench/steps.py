@@ -189,8 +189,8 @@ def composition(number, tables):
         script = tables["MULTI_PROCESS_RUNGS"][number]
         return [f"Rung {number} is not composed: bench/ladder.py runs {script} as it is, under torchrun on every "
                 "visible GPU, at the ladder's settings."]
-    lines = [f"How bench/rungs.py composes rung {number}" + (f", rung {number - 1} plus step {number}" if number else "")
-             + " (its table RUNG_PARTS):"]
+    plus = f", rung {number - 1} plus step {number}" if number else ""
+    lines = [f"How bench/rungs.py composes rung {number}{plus} (its table RUNG_PARTS):"]
     sources = {stage01: [], stage00: [], "bench/rungs.py itself": []}
     for name, part in tables["RUNG_PARTS"].items():
         first, steps = part["from_01"], part["steps"]
