@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cli
 import failures
 from data import UsageError, files
 from failures import OutputError
@@ -192,15 +193,32 @@ def check_config(checkpoint, path, cfg):
 
 
 def load_checkpoint(args, tokens_per_step):
-    """The checkpoint opened for --resume, refused (exit code 2) if this run's batch or seed cannot continue it."""
+    """The checkpoint opened for --resume, refused (exit code 2) if this run's batch or seed cannot continue it.
+
+    `tokens_per_step` is this run's global batch in tokens (--batch-size x --grad-accum-steps x processes x
+    context). It must be the checkpoint's, however it is split: the steps done and the position in the epoch are
+    counted in steps of that batch, and the learning rate was set for it."""
     checkpoint, path = args.checkpoint, args.resume
     if checkpoint["tokens_per_step"] != tokens_per_step:
-        raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']} tokens per step, "
-                         f"this run {tokens_per_step}: use the same --batch-size x --grad-accum-steps x processes")
+        ours = cli.describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), cli.processes())
+        raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens per step"
+                         f"{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global batch, "
+                         "--batch-size x --grad-accum-steps x processes (how it is split may change)")
     if checkpoint["settings"].get("seed") != args.seed:
         raise UsageError(f"--resume {path}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
                          "pass the same seed, so the batch order continues")
     return checkpoint
+
+
+def _split_of(checkpoint):
+    """" (4 x 2 accumulation steps x 2 processes = 16 sequences)": how the checkpoint's global batch was split, from
+    its settings and its tokens per step; empty where they do not tell."""
+    settings, context = checkpoint["settings"], checkpoint["config"].get("context_length")
+    batch_size, accum_steps = settings.get("batch_size"), settings.get("grad_accum_steps", 1)
+    sequences, rest = divmod(checkpoint["tokens_per_step"], context or 1)
+    if not (batch_size and accum_steps and context) or rest or sequences % (batch_size * accum_steps):
+        return ""
+    return f" ({cli.describe_split(batch_size, accum_steps, sequences // (batch_size * accum_steps))})"
 
 
 # What to do when an output cannot be written, by the OS error's number.

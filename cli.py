@@ -19,7 +19,8 @@ from data import UsageError
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2 instead of argparse's usage block
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        if failures.reports_for_the_job():  # under torchrun every process parses the same command line: one line
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(failures.EXIT_USAGE)
 
 
@@ -186,13 +187,23 @@ def processes():
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def global_batch(batch_size, grad_accum_steps=1, world_size=1):
+    """(sequences per optimizer step, "8 x 4 accumulation steps x 2 processes"): the micro-batch times the
+    accumulation steps times the processes, and how it is split."""
+    factors = [str(batch_size)] + ([f"{grad_accum_steps} accumulation steps"] if grad_accum_steps > 1 else []) + (
+        [f"{world_size} processes"] if world_size > 1 else [])
+    return batch_size * grad_accum_steps * world_size, " x ".join(factors)
+
+
 def _optimizer_step(args):
-    """(sequences per optimizer step, "8 x 4 accumulation steps x 2 processes"): --batch-size times the
-    accumulation steps (stages 01 to 03) times the processes."""
-    steps, world = getattr(args, "grad_accum_steps", 1), processes()
-    factors = [str(args.batch_size)] + ([f"{steps} accumulation steps"] if steps > 1 else []) + (
-        [f"{world} processes"] if world > 1 else [])
-    return args.batch_size * steps * world, " x ".join(factors)
+    """global_batch() of this run: --batch-size, the accumulation steps (stages 01 to 03), the processes."""
+    return global_batch(args.batch_size, getattr(args, "grad_accum_steps", 1), processes())
+
+
+def describe_split(batch_size, grad_accum_steps=1, world_size=1):
+    """"4 x 2 processes = 8 sequences": a global batch and how it is split ("4 sequences" where it is not)."""
+    sequences, factors = global_batch(batch_size, grad_accum_steps, world_size)
+    return f"{factors} = {sequences} sequences" if factors != str(sequences) else f"{sequences} sequences"
 
 
 def describe_batch(args, context):

@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from data import UsageError
@@ -87,13 +88,28 @@ def _lost_a_peer(err):
         isinstance(err, RuntimeError) and ("Connection closed by peer" in text or "Connection reset by peer" in text))
 
 
+def reports_for_the_job():
+    """Whether this process prints the usage errors that every process of a job finds alike (the same command line,
+    files and checkpoint): alone, always; under torchrun, the first process of each node (LOCAL_RANK 0), so that
+    the launch's terminal shows one line instead of one per process. The other processes exit with the same code."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _found_alone(err):
+    """Whether a usage error may be this process's alone: one raised while reading a window of the token shards
+    (a damaged shard), since each process of a job reads windows of its own."""
+    return any(frame.name == "__getitem__" and Path(frame.filename).parts[-2:] == ("data", "shards.py")
+               for frame in traceback.extract_tb(err.__traceback__))
+
+
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes the README lists (section "Exit codes")."""
     _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
     try:
         main()
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if reports_for_the_job() or _found_alone(err):  # one line per launch, exit code 2 on every process
+            print(f"error: {err}", file=sys.stderr)
         for undo in _undo_on_usage_error:
             undo()
         return EXIT_USAGE

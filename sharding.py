@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 import checkpoints
+import cli
 import failures
 import timekeeping
 import utilization
@@ -91,33 +92,34 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
     """--resume: read model.pth (checkpoints.load_checkpoint's checks), then every rank reads its shards of the weights
     and AdamW's state from the folder model.pth names (DCP reshards them to this world size).
 
-    At the world size it was written at, the progress is taken as it is: the run goes on exactly. At another
-    world size the global batch changes, so the position in the epoch is converted into steps of the new global
-    batch: the epoch goes on in the same shuffled order (DistributedSampler's order of the windows does not
-    depend on the world size) from the first window not yet trained on, and the step count is renumbered so that
-    epoch x steps per epoch + steps into the epoch still holds (--max-steps and --eval-freq count steps of
-    the new size).
+    The global batch, --batch-size x --grad-accum-steps x processes (the train loader's batch, which holds the
+    accumulation steps, times the processes), must be the checkpoint's; how it is split may change, the number
+    of processes included. The progress is counted in optimizer steps of that batch (the epoch, the steps done
+    in it, the step count), and it carries over one to one: DistributedSampler deals one shuffled order of the
+    windows, the same at any world size, to the ranks in turn (rank r takes windows r, r + P, r + 2P, ... of
+    it), so whatever the split, step k of an epoch trains windows k x G to (k + 1) x G - 1 of that order (G
+    sequences per step), and an epoch has the same `steps_per_epoch`. At the world size the checkpoint was
+    written at, the run goes on exactly; at another, it goes on from the first window not yet trained on,
+    the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
     path, world_size, context = args.resume, dist.get_world_size(), cfg["context_length"]
-    saved_world_size = int(args.checkpoint.get("world_size", world_size))  # opened at the start, memory-mapped
-    checkpoint = checkpoints.load_checkpoint(args, args.batch_size * context * saved_world_size)
+    checkpoint = checkpoints.load_checkpoint(args, args.batch_size * args.grad_accum_steps * context * world_size)
+    saved_world_size = int(checkpoint.get("world_size", world_size))  # opened at the start, memory-mapped
     folder = Path(path).parent / str(checkpoint.get("sharded_state"))
     if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
         raise failures.UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete "
                                 "(copy the model.dcp folder along with model.pth)")
     if saved_world_size != world_size:
-        windows_done = checkpoint["batches_done"] * args.batch_size * saved_world_size
-        old_step = checkpoint["step"]
-        checkpoint["batches_done"] = windows_done // (args.batch_size * world_size)
-        checkpoint["step"] = checkpoint["epoch"] * steps_per_epoch + checkpoint["batches_done"]
-        checkpoint["history"]["steps"] = checkpoint["step"]
-        repeated = windows_done % (args.batch_size * world_size)
-        print(f"Resharding: the checkpoint was written by {saved_world_size} process(es), this run has {world_size}. "
-              f"DCP reshards the weights and AdamW's state; the global batch is now {args.batch_size * world_size} "
-              f"sequences instead of {args.batch_size * saved_world_size}, so step {old_step} there is step "
-              f"{checkpoint['step']} here. The epoch goes on in the same shuffled order"
-              + (f" ({repeated} windows again: a batch boundary of the new size)" if repeated else "")
-              + "; ranks that had no random state draw new dropout masks.")
+        saved = checkpoint["settings"]
+        there = cli.describe_split(saved["batch_size"], saved.get("grad_accum_steps", 1), saved_world_size)
+        here = cli.describe_split(args.batch_size, args.grad_accum_steps, world_size)
+        print(f"Resharding: the checkpoint was written by {saved_world_size} process(es), this run has {world_size}: "
+              f"DCP reshards the weights and AdamW's state. The global batch is the same ({there} there, {here} "
+              f"here), so each step trains the same windows of the epoch's shuffled order: the run goes on at step "
+              f"{checkpoint['step']} ({checkpoint['batches_done']} of epoch {checkpoint['epoch'] + 1}'s "
+              f"{steps_per_epoch} steps done) with the first window not yet trained on"
+              + ("; ranks the checkpoint had no random state for draw new dropout masks."
+                 if world_size > saved_world_size else "."))
         checkpoint["rng"] = [checkpoint["rng"][rank] if rank < saved_world_size else _fresh_rng_state(args.seed + rank)
                              for rank in range(world_size)]
     del checkpoint["model"]  # the full weights: DCP reads this rank's shards of them instead
