@@ -4,9 +4,10 @@
   python bench/roofline.py --gpu H100 --out runs/roofline/h100     # also "H200", "A100 PCIe", "L40S"...
   python bench/roofline.py --gpu H100 --model gpt2-medium --batch-size 16 --out runs/roofline/h100-medium
   python bench/roofline.py --gpu H100 --batch-size 8 --grad-accum-steps 4    # each step as 4 micro-batches of 8
+  python bench/roofline.py --gpu H100 --context-length 2048 --out /tmp/r    # windows of 2,048 tokens
 
 For each single-GPU rung of the ladder (0 to 10, at full size and at each rung's own batch, precision and
-kernels) it counts what one training step does, forward, loss, backward and AdamW, in FLOPs and in bytes read
+kernels, at the stages' context of 1,024 tokens or --context-length's) it counts what one training step does, forward, loss, backward and AdamW, in FLOPs and in bytes read
 and written, and sorts that work into six classes: matmuls; attention; norms and activations; other elementwise
 work (dropout, residual adds, casts, embedding lookups, gradient sums); the loss; the optimizer. Each class gets
 a floor time on the GPU, max(FLOPs / peak FLOP/s, bytes / memory bandwidth); the step's floor is their sum, and
@@ -179,7 +180,8 @@ def render_chart(table, path):
     shares.set_ylim(0, 1.08)
     shares.yaxis.set_major_formatter(PercentFormatter(1.0))
     shares.set_ylabel("share of the step's floor")
-    shares.set_title(f"Where the floor of one training step goes ({table['gpu']}, {table['model']}); "
+    shares.set_title(f"Where the floor of one training step goes ({table['gpu']}, {table['model']}, context "
+                     f"{rows[0]['context_length']:,}); "
                      "above each bar: floor in ms per 1,000 tokens", fontsize=10)
     shares.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
@@ -235,6 +237,9 @@ def build_parser():
                         help="sequences per step for every rung (default: each rung's own, 8 and 32 for rung 10)")
     parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), default=1, metavar="N",
                         help="each step as N micro-batches of the batch: AdamW once per N (default: 1)")
+    parser.add_argument("--context-length", type=cli.whole_number(1), metavar="N",
+                        help="tokens per sequence for every rung; the model's position embedding is built for it "
+                             "(default: the stages' own, 1,024)")
     return parser
 
 
@@ -243,10 +248,12 @@ def main():
     gpu = find_gpu(args.gpu)  # an unknown GPU fails here, before anything is built
     out = checkpoints.claim_out_dir(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
     started = time.perf_counter()
-    table = build_roofline(gpu, model=args.model, batch_size=args.batch_size,
+    table = build_roofline(gpu, model=args.model, batch_size=args.batch_size, context_length=args.context_length,
                            step=lambda row: accumulated(row, args.grad_accum_steps))
     table["grad_accum_steps"] = args.grad_accum_steps
     write_outputs(table, out)
+    print(f"{table['gpu']}: {table['model']}, context {table['context_length']:,} tokens, "
+          + (f"batch {args.batch_size} for every rung" if args.batch_size else "each rung's own batch"))
     for row in table["rungs"]:
         print(f"rung {row['rung']:2d} {row['change']:<44} floor {_ms(row['floor_seconds']):>8} ms, ceiling "
               f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s")

@@ -288,11 +288,28 @@ class _DevicesWithoutAutocast:
         return None
 
 
-def model_config(number, tiny, stage00, stage01, model="gpt2-small"):
+def model_config(number, tiny, stage00, stage01, model="gpt2-small", context_length=None):
     """The model config dict of rung `number` at size `model`, picked as the stages pick it (--tiny wins):
-    step 9 (the padded vocabulary) comes with 01's."""
+    step 9 (the padded vocabulary) comes with 01's. `context_length`, when given, replaces the stage's own (the
+    ladder's and the roofline's --context-length): the model's position embedding is built for it."""
     stage = stage01 if takes_01("model config", number) else stage00
-    return dict(stage.TINY_CONFIG) if tiny else {**stage.GPT_CONFIG_124M, **cli.MODEL_SIZES[model]}
+    cfg = dict(stage.TINY_CONFIG) if tiny else {**stage.GPT_CONFIG_124M, **cli.MODEL_SIZES[model]}
+    if context_length is not None:
+        cfg["context_length"] = context_length
+    return cfg
+
+
+def stage_context_length(tiny, stage00=None):
+    """The context every stage trains at (its tiny config's under --tiny): what --context-length replaces."""
+    stage00 = stage00 or load_stage(STAGE_00)
+    return (stage00.TINY_CONFIG if tiny else stage00.GPT_CONFIG_124M)["context_length"]
+
+
+def context_length_note(context_length, own):
+    """The note of a row whose context --context-length changed, or None where it is the stages' own (`own`)."""
+    if context_length is None or context_length == own:
+        return None
+    return f"context {context_length:,} set by --context-length (the stages' own: {own:,})"
 
 
 def training_settings(number, tiny, stage00, stage01, batch_size=None):
@@ -312,18 +329,19 @@ def batch_size_note(batch_size, stage_batch_size):
     return f"batch {batch_size} set by --batch-size (the stage's own: {stage_batch_size})"
 
 
-def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None, options=()):
+def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None, options=(), context_length=None):
     """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01.
 
     `model` is one of cli.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
     replaces every rung's batch (--batch-size of bench/ladder.py); `options` are the ladder's --option names, of
-    which compose acts on chunked-loss (apply_options switches on the others)."""
+    which compose acts on chunked-loss (apply_options switches on the others); `context_length`, when given,
+    replaces every rung's context (--context-length)."""
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
-    cfg = model_config(number, tiny, stage00, stage01, model)
+    cfg = model_config(number, tiny, stage00, stage01, model, context_length)
     settings = training_settings(number, tiny, stage00, stage01, batch_size)
-    notes = []
+    notes = [note for note in (context_length_note(context_length, stage_context_length(tiny, stage00)),) if note]
     if number == 9:
         notes.append(f"vocab {model_config(8, tiny, stage00, stage01)['vocab_size']:,} -> {cfg['vocab_size']:,}")
     own_batch = training_settings(number, tiny, stage00, stage01)["batch_size"]
@@ -422,7 +440,8 @@ def stage_model(number, stage00, stage01):
     return stage00
 
 
-def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-small", batch_size=None, seed=123):
+def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-small", batch_size=None, seed=123,
+                    context_length=None):
     """Rung `number` (0 to 10) as compose() builds it at full size, for a GPU described instead of present.
 
     `has_tf32` and `autocast_precision` ("bf16", "fp16" or "fp32") are what devices.has_tf32 and
@@ -435,7 +454,7 @@ def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-sm
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
-    cfg = model_config(number, False, stage00, stage01, model)
+    cfg = model_config(number, False, stage00, stage01, model, context_length)
     settings = training_settings(number, False, stage00, stage01, batch_size)
     autocasts = number >= 5 and autocast_precision != "fp32"
     precision = autocast_precision if autocasts else "tf32" if number >= 2 and has_tf32 else "fp32"

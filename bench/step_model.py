@@ -91,6 +91,7 @@ CLASS_WORDS = {"matmul": "matmul", "attention": "attention", "norm_activation": 
 CLASS_COLORS = {"matmul": "#4c72b0", "attention": "#dd8452", "norm_activation": "#55a868",
                 "elementwise": "#8172b3", "loss": "#c44e52", "optimizer": "#937860"}
 MODELLED_RUNGS = range(0, 11)
+TUTORIAL_CONTEXT_LENGTH = 1024  # the context the original tutorial measured at: its references hold there only
 GRADIENT_SUM = "gradient sum"  # context of the autograd engine adding up two gradients of one tensor
 COMPILED_PHASES = ("forward", "backward")  # step 8: forward with loss, and the backward, are compiled graphs
 
@@ -655,14 +656,14 @@ def same_work(rung):
             tuple(sorted(optimizer.items())), rung.loss.__code__)
 
 
-def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=None):
+def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=None, context_length=None):
     """The roofline of rung `number` on `gpu`: a dict as in roofline.json's "rungs". `counted_steps`: a dict of
-    the steps counted so far (by same_work), to reuse."""
+    the steps counted so far (by same_work), to reuse. `context_length`: the stages' own where None."""
     torch = _torch()
     from bench import rungs
 
     rung = rungs.compose_for_gpu(number, torch.device("meta"), gpu.has_tf32, gpu.autocast_precision, model=model,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, context_length=context_length)
     counted_steps = {} if counted_steps is None else counted_steps
     work = same_work(rung)
     if work not in counted_steps:
@@ -710,10 +711,11 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
     }
 
 
-def tutorial_reference(gpu, model, batch_size):
+def tutorial_reference(gpu, model, batch_size, context_length=None):
     """The original tutorial's A100 tok/s per rung (bench/report.py's REFERENCE), where they compare: an A100,
-    GPT-2 small, the tutorial's batch."""
-    if not re.search(r"A100", gpu.name, re.IGNORECASE) or model != "gpt2-small":
+    GPT-2 small, the tutorial's batch and context."""
+    if (not re.search(r"A100", gpu.name, re.IGNORECASE) or model != "gpt2-small"
+            or context_length not in (None, TUTORIAL_CONTEXT_LENGTH)):
         return {}
     from bench.report import REFERENCE
 
@@ -721,15 +723,18 @@ def tutorial_reference(gpu, model, batch_size):
             if number in REFERENCE and batch_size in (None, 8 if number < 10 else 32)}
 
 
-def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, step=lambda row: row):
+def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, step=lambda row: row,
+                   context_length=None):
     """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before;
-    `step` turns a rung's row into the step the table models (bench/roofline.py: accumulation, bench/scaling.py)."""
+    `step` turns a rung's row into the step the table models (bench/roofline.py: accumulation, bench/scaling.py);
+    `context_length` replaces the stages' own for every rung (bench/roofline.py's --context-length)."""
     torch = _torch()
     started = time.perf_counter()
-    reference = tutorial_reference(gpu, model, batch_size)
+    reference = tutorial_reference(gpu, model, batch_size, context_length)
     rows, counted_steps = [], {}
     for number in rung_numbers:
-        row = step(model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps))
+        row = step(model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps,
+                              context_length=context_length))
         if number in reference:
             row["tutorial_tok_per_sec"] = reference[number]
             row["tutorial_over_ceiling"] = reference[number] / row["ceiling_tok_per_sec"]
@@ -741,7 +746,8 @@ def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELL
         "gpu_peaks": {"tflops": gpu.tflops, "bandwidth_gb_per_s": gpu.bandwidth_gb_per_s,
                       "ridge_flops_per_byte": {precision: gpu.ridge(precision)
                                                for precision in utilization.PRECISIONS if gpu.tflops[precision]}},
-        "model": model, "batch_size": batch_size, "torch": torch.__version__,
+        "model": model, "batch_size": batch_size, "context_length": rows[0]["context_length"] if rows else None,
+        "torch": torch.__version__,
         "seconds_to_build": time.perf_counter() - started, "rungs": rows,
     }
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import ROOT, aten_dtypes, load_stage, run_script
 
 import utilization
-from bench import rungs, step_model
+from bench import roofline, rungs, step_model
 from bench.report import REFERENCE
 
 CLI_SECONDS = 60  # the issue's bound for one whole table on this machine
@@ -266,3 +266,48 @@ def test_no_ceiling_lies_below_a_published_measurement_and_the_roofline_page_sho
         ceiling = found[(gpu, batch, rung)]
         assert ceiling > measured, (who, what, gpu, batch, rung, ceiling, measured)
         assert float(cells[6].replace(",", "")) == pytest.approx(ceiling, rel=0.01), (cells, ceiling)
+
+
+# ---------------------------------------------------------------------------------------------
+# --context-length
+# ---------------------------------------------------------------------------------------------
+
+def test_at_twice_the_context_hand_written_attention_moves_four_times_the_bytes_flash_attention_twice():
+    """The exercise of the README's "Try it yourself": rungs 6 and 7 at the stages' 1,024 and at 2,048 tokens, on
+    the meta device (about four seconds). Rung 6's attention writes and reads tokens x tokens matrices (x4), rung 7's
+    FlashAttention moves only Q, K, V and the output (x2, as the matmuls' FLOPs); so step 7 is worth more there."""
+    h100 = step_model.find_gpu("H100")
+    tables = {context: step_model.build_roofline(h100, rung_numbers=(6, 7), context_length=context)
+              for context in (None, 2048)}
+    assert tables[None]["context_length"] == 1024 and tables[2048]["context_length"] == 2048
+    rows = {context: {row["rung"]: row for row in table["rungs"]} for context, table in tables.items()}
+
+    def grown(rung, work, key):
+        return rows[2048][rung]["classes"][work][key] / rows[None][rung]["classes"][work][key]
+
+    assert grown(6, "attention", "bytes") == pytest.approx(4, rel=0.05)
+    assert grown(7, "attention", "bytes") == pytest.approx(2, rel=0.05)
+    for rung in (6, 7):
+        assert grown(rung, "matmul", "flops") == pytest.approx(2, rel=0.01)  # twice the tokens per step
+        assert rows[2048][rung]["tokens_per_step"] == 2 * rows[None][rung]["tokens_per_step"]
+
+    def ratio(context):
+        return rows[context][7]["ceiling_tok_per_sec"] / rows[context][6]["ceiling_tok_per_sec"]
+
+    assert ratio(2048) > 1.4 * ratio(None)
+    assert "context 2,048" in roofline.render_markdown(tables[2048])
+
+
+@pytest.mark.parametrize("value", ["0", "1.5"])
+def test_a_context_length_that_is_not_a_whole_number_from_1_exits_2_with_one_line(value, tmp_path):
+    out = tmp_path / "never"
+    result = run_script("bench/roofline.py", "--gpu", "H100", "--context-length", value, "--out", out, timeout=120)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "--context-length" in result.stderr and not out.exists()
+
+
+def test_the_reference_column_is_the_tutorials_context_only():
+    a100 = step_model.find_gpu("A100")
+    assert step_model.tutorial_reference(a100, "gpt2-small", None)
+    assert step_model.tutorial_reference(a100, "gpt2-small", None, context_length=1024)
+    assert step_model.tutorial_reference(a100, "gpt2-small", None, context_length=2048) == {}
