@@ -12,14 +12,15 @@ Each rung's measurement is one file of --out's rows/ folder (bench/rows.py), wri
 table, numbers and chart are rendered again from the rows present. So a ladder can be measured in parts into one
 folder: a part's rows join the others, a rung measured again replaces its row, a rung without a row is what
 --rungs missing measures, and every row says when, where and by which command it was measured. A part measured on
-another device, with another PyTorch or with other settings (--model, --tiny, --batch-size, --data, --seed, --warmup,
---steps, --windows, --option) is refused with exit code 2, and nothing is written.
+another device, with another PyTorch or with other settings (--model, --tiny, --batch-size, --context-length, --data,
+--seed, --warmup, --steps, --windows, --option) is refused with exit code 2, and nothing is written.
 
   python bench/ladder.py --rungs 0-5          # a part; then --rungs 6-12 into the same folder
   python bench/ladder.py --tiny               # every rung, tiny model: a few minutes on a CPU
   python bench/ladder.py --rungs 0,8,10       # a subset (ranges work too: 0-7)
   python bench/ladder.py --batch-size 8       # a GPU with less memory: every rung at batch 8
   python bench/ladder.py --model gpt2-medium  # another of the book's GPT-2 sizes
+  python bench/ladder.py --rungs 6-7 --context-length 2048   # windows of 2,048 tokens (rungs 0-10 only)
   python bench/ladder.py --check-scripts      # also run 00 and 01 as they are, beside rungs 0 and 10
   python bench/ladder.py --time-limit 540     # start no rung that would end after 9 minutes; print the rest
 
@@ -38,6 +39,7 @@ to check that a failure is reported on its row while the other rungs still run.
 """
 
 import argparse
+import json
 import re
 import shlex
 import statistics
@@ -57,6 +59,9 @@ from bench.rows import MISSING  # noqa: E402
 
 FULL_DEFAULTS = {"warmup": 10, "steps": 30, "windows": 5}
 TINY_DEFAULTS = {"warmup": 2, "steps": 10, "windows": 5}
+# What must be the same in two rows of one folder: report.MATCHED, and the context the rungs trained at (None in a
+# row: the stages' own, as rows written before --context-length existed were measured).
+MATCHED = {**report.MATCHED, "settings.context_length": "--context-length"}
 
 # ---------------------------------------------------------------------------------------------
 # Command line
@@ -104,6 +109,10 @@ def build_parser():
     parser.add_argument("--batch-size", type=cli.whole_number(1), metavar="N",
                         help="sequences per step (and per process in rungs 11-12) for every rung, for GPUs with "
                              "less memory; the rows it changes say so (default: each stage's own)")
+    parser.add_argument("--context-length", type=cli.whole_number(1), metavar="N",
+                        help="tokens per sequence for every rung 0-10 (the stage scripts of rungs 11-12 and "
+                             "--check-scripts keep their own); the model's position embedding is built for it; the "
+                             "rows say so (default: the stages' own, 1,024; 64 with --tiny)")
     parser.add_argument("--steps", type=cli.whole_number(1),
                         help=f"measured steps per rung (default: {FULL_DEFAULTS['steps']}; "
                              f"{TINY_DEFAULTS['steps']} with --tiny)")
@@ -147,21 +156,29 @@ def build_parser():
 
 
 def resolve_defaults(args):
-    from bench.rungs import SCRIPT_OPTIONS
+    from bench.rungs import SCRIPT_OPTIONS, stage_context_length
 
+    if args.context_length == stage_context_length(args.tiny):
+        args.context_length = None  # the stages' own: the same measurement as without the flag, and recorded alike
     composed_only = bool(set(args.option) - SCRIPT_OPTIONS)  # an option the stage scripts (rungs 11-12) lack
     if args.rungs is None:
-        args.rungs = parse_rungs("0-10" if composed_only else "all")
+        args.rungs = parse_rungs("0-10" if composed_only or args.context_length else "all")
     named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with such an option (plan.jobs)
     if composed_only and any(number >= 11 for number in named) and args.run_rung is None:
         raise failures.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
                                 "as they are; of the options they take only grad-accum): add --rungs 0-10, or a "
                                 "subset of it")
+    if args.context_length and any(number >= 11 for number in named) and args.run_rung is None:
+        raise failures.UsageError("--context-length applies to the composed rungs 0-10 (rungs 11 and 12 are the stage "
+                                  "scripts as they are, at their own context): add --rungs 0-10, or a subset of it")
     if not args.rungs and not args.check_scripts:
         raise failures.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
     if args.option and args.check_scripts:
         raise failures.UsageError("--option changes the composed rungs only: --check-scripts would compare them with "
                                 "scripts that lack it")
+    if args.context_length and args.check_scripts:
+        raise failures.UsageError("--context-length changes the composed rungs only: --check-scripts would compare "
+                                  "them with scripts at their own context")
     args.option = list(dict.fromkeys(args.option))  # each once
     defaults = TINY_DEFAULTS if args.tiny else FULL_DEFAULTS
     for name, value in defaults.items():
@@ -179,7 +196,8 @@ def resolve_defaults(args):
 def results_folder(args, device_info):
     if args.out:
         return Path(args.out)
-    name = device_info["slug"] + (f"-{args.model}" if args.model != "gpt2-small" else "") + "".join(
+    name = device_info["slug"] + (f"-{args.model}" if args.model != "gpt2-small" else "") + (
+        f"-context-{args.context_length}" if args.context_length else "") + "".join(
         f"-{option}" for option in sorted(args.option)) + ("-tiny" if args.tiny else "")
     return ROOT / "bench" / "results" / name
 
@@ -190,13 +208,33 @@ def context_of(args, device_info):
         "device": device_info["description"], "device_name": device_info["name"],
         "gpu_count": device_info["gpu_count"], "driver": runner.nvidia_driver(), "cuda": device_info["cuda"],
         "torch": device_info["torch"], "python": device_info["python"],
-        "settings": {"tiny": args.tiny, "model": args.model, "batch_size": args.batch_size, "data": args.data,
+        "settings": {"tiny": args.tiny, "model": args.model, "batch_size": args.batch_size,
+                     "context_length": args.context_length, "data": args.data,
                      "seed": args.seed, "warmup_steps": args.warmup, "steps": args.steps,
                      "windows": min(args.windows, args.steps), "device": args.device,
                      "options": ",".join(sorted(args.option)) or None},
         "command": {"started_at": report.timestamp(), "command": shlex.join(["python", "bench/ladder.py", *args.argv]),
                     "git": runner.git_revision()},
     }
+
+
+def roofline_at_context(roofline, args, say=print):
+    """report.find_roofline's roofline, or None where it models another context than the rungs train at (a
+    roofline.json without a context_length models the stages' own); an --roofline that does so is refused."""
+    from bench.rungs import stage_context_length
+
+    if roofline is None:
+        return None
+    own = stage_context_length(tiny=False)  # a roofline models the full-size model (report refuses one for --tiny)
+    modelled = json.loads(Path(roofline["path"]).read_text(encoding="utf-8")).get("context_length") or own
+    trained = args.context_length or own
+    if modelled == trained:
+        return roofline
+    why = f"{roofline['path']} models context {modelled:,}, the rungs train at {trained:,}"
+    if args.roofline:
+        raise failures.UsageError(f"--roofline {why}: give bench/roofline.py's at --context-length {trained}")
+    say(f"No ceiling column: {why}")
+    return None
 
 
 def measure(job, args, device_info, logs, timeout):
@@ -222,15 +260,17 @@ def run_ladder(args):
     context = context_of(args, device_info)
     # Every check that can refuse this command comes before anything in the folder is written.
     found = rows.read_rows(out, "ladder.json")
-    rows.refuse_a_different_part(found, context, report.MATCHED, out, "rungs")
+    rows.refuse_a_different_part(found, context, MATCHED, out, "rungs")
     missing = args.rungs == MISSING
-    planned = plan.jobs(args, found, missing)
+    planned = [job for job in plan.jobs(args, found, missing)  # rungs 11-12 cannot change their context
+               if not (args.context_length and job.rung >= 11)]
     if not planned:
         held = ["every rung"] * missing + ["every --check-scripts run"] * args.check_scripts
         print(f"--rungs {MISSING if missing else 'none'}: nothing left to measure: {out / rows.FOLDER} holds "
               f"{' and '.join(held)}", flush=True)
         return failures.EXIT_OK
-    roofline = report.find_roofline(out, args.roofline, device_info["name"], context["settings"])
+    roofline = roofline_at_context(report.find_roofline(out, args.roofline, device_info["name"], context["settings"]),
+                                   args)
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -239,7 +279,9 @@ def run_ladder(args):
     runner.stop_on_signals()
     rungs_there = [row["rung"] for name, row in found.items() if name.startswith("rung-")]
     print(f"Ladder: {plan.describe_left(planned)} on {device_info['description']} | torch {device_info['torch']} | "
-          f"{report.describe_model(context['settings'])} | {args.warmup} warm-up + {args.steps} measured steps per "
+          f"{report.describe_model(context['settings'])}"
+          + (f", context {args.context_length:,} for every rung" if args.context_length else "")
+          + f" | {args.warmup} warm-up + {args.steps} measured steps per "
           f"rung{' | --tiny' if args.tiny else ''} | out: {out}"
           + (f" (beside its rows of rungs {report.rung_ranges(rungs_there)})" if rungs_there else ""), flush=True)
 

@@ -125,7 +125,7 @@ def run_rung_main(args):
         heartbeat.doing = "composing the rung from the stage scripts"
         rungs.apply_options(args.option)  # --option: measured options, switched on before anything compiles
         rung = rungs.compose(number, device, args.tiny, seed=args.seed, model=args.model,
-                             batch_size=args.batch_size, options=args.option)
+                             batch_size=args.batch_size, options=args.option, context_length=args.context_length)
         parameters = sum(p.numel() for p in rung.model.parameters())
         result.update(precision=rung.precision, batch_size=rung.batch_size, vocab_size=rung.cfg["vocab_size"],
                       context_length=rung.cfg["context_length"], parameters=parameters, world_size=1,
@@ -273,6 +273,7 @@ def worker_command(args, *mode):
                "--seed", args.seed, "--warmup", args.warmup, "--steps", args.steps, "--windows", args.windows,
                "--model", args.model]
     return (command + (["--tiny"] if args.tiny else []) + (["--batch-size", args.batch_size] if args.batch_size else [])
+            + (["--context-length", args.context_length] if args.context_length else [])
             + [flag for name in args.option for flag in ("--option", name)])
 
 

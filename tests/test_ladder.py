@@ -186,13 +186,15 @@ def test_batch_size_overrides_a_rung_and_its_row_says_so():
 
 def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
     args = argparse.Namespace(data="shakespeare", device="cpu", seed=1, model="gpt2-medium", tiny=False,
-                              batch_size=8, warmup=1, steps=2, windows=2, option=["max-autotune"])
+                              batch_size=8, warmup=1, steps=2, windows=2, option=["max-autotune"], context_length=2048)
     flags = list(map(str, runner.script_flags(args, tmp_path / "run", max_steps=4, window=1)))
     assert flags[flags.index("--model") + 1] == "gpt2-medium" and flags[flags.index("--batch-size") + 1] == "8"
     assert flags[flags.index("--out") + 1] == str(tmp_path / "run")
     worker = list(map(str, runner.worker_command(args, "--run-rung", 3)))
     assert worker[worker.index("--model") + 1] == "gpt2-medium" and worker[worker.index("--batch-size") + 1] == "8"
     assert worker[worker.index("--option") + 1] == "max-autotune"  # each rung's process switches it on itself
+    assert worker[worker.index("--context-length") + 1] == "2048"
+    assert "--context-length" not in flags  # the stage scripts keep their own context
 
 
 def test_a_missing_stage_script_is_a_failed_row(tmp_path, monkeypatch):
@@ -990,3 +992,77 @@ def test_a_run_does_not_outlive_a_ladder_killed_outright(tmp_path):
         ladder_process.kill()
         if process_alive(run_pid):
             os.kill(run_pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# --context-length (the README's exercise: step 7 at context 2,048)
+# ---------------------------------------------------------------------------------------------
+
+def resolved(*flags):
+    return ladder.resolve_defaults(ladder.build_parser().parse_args(list(flags)))
+
+
+def test_a_context_length_reaches_every_composed_rungs_config_and_its_row_says_so():
+    rung = rungs.compose(0, CPU, tiny=True, context_length=32)
+    assert rung.cfg["context_length"] == 32 and rung.model.pos_emb.weight.shape[0] == 32
+    assert rung.model.trf_blocks[0].att.mask.shape == (32, 32)  # 00's buffer, built from the same config
+    assert "context 32 set by --context-length (the stages' own: 64)" in rung.notes
+    assert rungs.compose(9, CPU, tiny=True, context_length=128).cfg["context_length"] == 128  # 01's config too
+    assert not any("--context-length" in note for note in rungs.compose(0, CPU, tiny=True, context_length=64).notes)
+
+
+def test_the_context_length_is_recorded_in_the_settings_and_a_part_at_another_is_refused():
+    args = resolved("--context-length", "2048", "--rungs", "6-7")
+    assert args.context_length == 2048
+    device_info = {"description": "NVIDIA X", "name": "NVIDIA X", "gpu_count": 1, "cuda": "12.8", "torch": "2.9.0",
+                   "python": "3.12", "slug": "nvidia-x"}
+    args.argv = ["--context-length", "2048", "--rungs", "6-7"]
+    assert ladder.context_of(args, device_info)["settings"]["context_length"] == 2048
+    assert ladder.results_folder(args, device_info).name == "nvidia-x-context-2048"
+    found = hand_made_rows({6: (100.0, 1.0)})  # measured without the flag: the stages' own context
+    here = hand_made_context()
+    here["settings"]["context_length"] = 2048
+    with pytest.raises(report.UsageError, match="--context-length: none there, 2048 here"):
+        rows.refuse_a_different_part(found, here, ladder.MATCHED, "out", "rungs")
+    here["settings"]["context_length"] = None
+    rows.refuse_a_different_part(found, here, ladder.MATCHED, "out", "rungs")  # rows written before the flag: alike
+
+
+def test_the_stages_own_context_is_no_change_and_rungs_11_12_keep_theirs():
+    assert resolved("--context-length", "1024").context_length is None
+    assert resolved("--tiny", "--context-length", "64").context_length is None
+    assert resolved("--tiny", "--context-length", "1024").context_length == 1024
+    assert resolved("--context-length", "2048").rungs == list(range(0, 11))  # default: the composed rungs
+    assert resolved().rungs == list(rungs.ALL_RUNGS)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--context-length", "0"), "--context-length: must be at least 1"),
+    (("--context-length", "2k"), "'2k' is not a whole number"),
+    (("--context-length", "2048", "--rungs", "6-11"), "--context-length applies to the composed rungs 0-10"),
+    (("--context-length", "2048", "--check-scripts"), "--check-scripts would compare them"),
+])
+def test_a_wrong_context_length_exits_2_with_one_line(flags, message, tmp_path, capsys):
+    try:
+        code = ladder.main([*flags, "--out", str(tmp_path / "out")])
+    except SystemExit as exited:  # argparse's own refusal
+        code = exited.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_roofline_at_another_context_gives_no_ceiling_column(tmp_path):
+    path = tmp_path / "roofline.json"
+    path.write_text(json.dumps({"gpu": "H100", "rungs": [{"rung": 7, "ceiling_tok_per_sec": 1.0}]}))  # 1,024: no key
+    roofline = report.read_roofline(path)
+    said = []
+    assert ladder.roofline_at_context(roofline, resolved("--rungs", "7"), said.append) is roofline
+    assert ladder.roofline_at_context(roofline, resolved("--context-length", "2048"), said.append) is None
+    assert said == [f"No ceiling column: {path} models context 1,024, the rungs train at 2,048"]
+    path.write_text(json.dumps({"gpu": "H100", "context_length": 2048, "rungs": []}))
+    assert ladder.roofline_at_context(report.read_roofline(path), resolved("--context-length", "2048")) is not None
+    with pytest.raises(failures.UsageError, match="give bench/roofline.py's at --context-length 4096"):
+        ladder.roofline_at_context(report.read_roofline(path), resolved("--context-length", "4096", "--roofline",
+                                                                        str(path)))
