@@ -1,4 +1,4 @@
-"""Stage 00: the baseline. GPT-2 small, trained with the plain code of chapters 2 to 5 of the book.
+"""Stage 00: the book's chapter 2-5 code plus the instrumentation every stage shares (clock, log, checkpoints, flags).
 
 Without flags it trains the full 124M configuration (163M parameters); --tiny trains a small model
 on a CPU in seconds; --help lists every flag. Each stage is the one before plus speed optimizations
@@ -23,7 +23,7 @@ import checkpoints
 import cli
 import devices
 import failures
-import inspection
+import progress
 import timekeeping
 import utilization
 from data import get_tokenizer, load_corpus
@@ -260,108 +260,48 @@ def check_finite(loss, step, *eval_losses):
 def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat, save_checkpoint, resume=None):
     """The training loop: returns the history that metrics.json and the plot are made of.
 
-    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth.
+    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth. `run` keeps the books
+    (progress.py): where the run is and where it ends, the training clock, the log lines, the stop signals.
     """
     train_loader, train_eval_loader, val_loader = loaders
-    tokens_per_step = speed["tokens_per_step"]
-    history = {"log": [], "tokens_seen": 0, "steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
-    start_epoch, global_step, skip_batches = 0, -1, 0
-    if resume:
-        history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
-                                                           resume["batches_done"])
-    clock = timekeeping.TrainClock(device)
-    stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
-    interval_tokens, first_interval, done = 0, True, False
-    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
-        raise failures.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
-                                    f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
-                                    "raise --epochs or --max-steps to train on. No file was changed.")
-    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps,  # --profile, --memory-snapshot
-                                         len(train_loader))
+    run = progress.TrainingProgress(args, device, speed, heartbeat, len(train_loader), resume)
+    inspector = run.inspector  # --profile, --memory-snapshot: the step's regions are labelled in the trace
 
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(run.start_epoch, args.epochs):
         model.train()
         train_loader.sampler.generator.manual_seed(args.seed + epoch)  # a new, reproducible order each epoch
-        batches = iter(train_loader)
-        batches_done = skip_batches if epoch == start_epoch else 0
-        for _ in range(batches_done):  # resuming: the batches this epoch trained before the checkpoint
-            next(batches)
-        clock.start()
-        for input_batch, target_batch in batches:
-            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 1}"
-            off_clock = inspector.off_clock(global_step + 1)  # a profiled step is slower: not timed
-            if off_clock:
-                clock.stop(wait=False)  # the events count queued kernels: let the GPU run on
-            optimizer.zero_grad()
-            with inspector.region("forward with loss"):
-                loss = calc_loss_batch(input_batch, target_batch, model, device)
-            with inspector.region("backward"):
-                loss.backward()
-            with inspector.region("optimizer step"):
-                optimizer.step()
-            global_step += 1
-            inspector.step_done(global_step)
-            if off_clock:
-                clock.start()
-            batches_done += 1
-            interval_tokens += 0 if off_clock else tokens_per_step
-            history["tokens_seen"] += tokens_per_step
-            done = global_step + 1 >= total_steps
+        for input_batch, target_batch in run.batches(train_loader, epoch):  # resumed: the batches not yet trained
+            with run.timed_step():  # the step, on the training clock (a profiled step is not timed)
+                optimizer.zero_grad()
+                with inspector.region("forward with loss"):
+                    loss = calc_loss_batch(input_batch, target_batch, model, device)
+                with inspector.region("backward"):
+                    loss.backward()
+                with inspector.region("optimizer step"):
+                    optimizer.step()
 
-            if global_step % args.eval_freq == 0 or done:  # also log the final step
-                clock.stop()  # evaluation is not training: keep it off the clock
-                seconds = clock.take()
-                step_tok_per_sec = interval_tokens / seconds if interval_tokens else None  # None: all profiled
-                if not first_interval:  # the first interval holds the warm-up: left out of the average
-                    history["timed_tokens"] += interval_tokens
-                    history["timed_seconds"] += seconds
-                avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
-                                   if history["timed_seconds"] else None)
-                mfu = utilization.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
-                heartbeat.doing = "evaluating"
-                train_loss, val_loss = evaluate_model(model, train_eval_loader, val_loader,
-                                                      device, args.eval_iter)
-                check_finite(loss, global_step, train_loss, val_loss)
-                print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
-                      f"Step tok/sec: {round(step_tok_per_sec) if step_tok_per_sec else 'n/a'}, Avg tok/sec: "
-                      + (f"{round(avg_tok_per_sec)}" if avg_tok_per_sec else "n/a")
-                      + (f", MFU: {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
-                history["log"].append({
-                    "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "val_loss": val_loss,
-                    "step_tok_per_sec": step_tok_per_sec, "avg_tok_per_sec": avg_tok_per_sec, "mfu": mfu,
-                    "tokens_seen": history["tokens_seen"], "epochs_seen": (global_step + 1) / len(train_loader),
-                    "timed_tokens": interval_tokens,
-                })
-                if first_interval:
-                    utilization.end_of_warm_up(device)  # the steady state's memory peaks count from here
-                interval_tokens, first_interval = 0, False
-                clock.start()
-            stop_signum = stop.requested()
-            if done or stop_signum or (args.save_every and (global_step + 1) % args.save_every == 0):
-                clock.stop()
-                check_finite(loss, global_step)
-                history["steps"] = global_step + 1
-                save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
-                                 "history": history, "rng": checkpoints.rng_state(device)})
-                if stop_signum:
-                    raise failures.Interrupted(stop_signum, global_step)
-                clock.start()
-            if done:
+            if run.log_due():  # every --eval-freq steps, and the last
+                with run.off_clock("evaluating"):  # evaluation is not training: keep it off the clock
+                    train_loss, val_loss = evaluate_model(model, train_eval_loader,
+                                                          val_loader, device, args.eval_iter)
+                    check_finite(loss, run.step, train_loss, val_loss)
+                    run.log(train_loss, val_loss)  # the log line and the history: losses, tok/s, MFU
+            if run.save_due():  # every --save-every steps, the last, or a stop signal (which ends the run)
+                with run.saving():  # off the clock too
+                    check_finite(loss, run.step)
+                    save_checkpoint(run.state())
+            if run.done:
                 break
 
-        clock.stop()  # the sample is not training either
-        heartbeat.doing = "generating a sample"
+        run.pause("generating a sample")  # the sample is not training either
         generate_and_print_sample(model, tokenizer, device,
                                   start_context="Every effort moves you")
         if device.type == "cuda":
             print(f"Allocated memory: {torch.cuda.memory_allocated(device) / utilization.GIB:.4f} GiB")
             print(f"Reserved memory: {torch.cuda.memory_reserved(device) / utilization.GIB:.4f} GiB")
-        if done:
+        if run.done:
             break
-    history["steps"] = global_step + 1
-    history["profile"] = inspector.finish()
-    return history
+    return run.finish()
 
 
 def plot_losses(history, path_stem):

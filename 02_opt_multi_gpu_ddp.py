@@ -28,7 +28,7 @@ import checkpoints
 import cli
 import devices
 import failures
-import inspection
+import progress
 import timekeeping
 import utilization
 from data import get_tokenizer, load_corpus
@@ -201,7 +201,8 @@ def token_ids_to_text(token_ids, tokenizer):
 def calc_loss_batch(input_batch, target_batch, model, device):
     if device.type == "cuda":  # NEW (step 4): from pinned (page-locked) memory the copy below is asynchronous
         input_batch, target_batch = input_batch.pin_memory(), target_batch.pin_memory()
-    # NEW (step 4): non_blocking: the host queues the copy and goes on to queue the step's kernels
+    # NEW (step 4): non_blocking: the host queues the copy and goes on queueing the step's kernels. Pinned by hand
+    # here, evaluation batches too. No DataLoader workers in any stage: a window is a slice of memory-mapped tokens
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
     # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
     dtype = devices.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
@@ -285,118 +286,58 @@ def check_finite(loss, step, *eval_losses):
 def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat, save_checkpoint, resume=None):
     """The training loop: returns the history that metrics.json and the plot are made of.
 
-    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth.
+    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth. `run` keeps the books
+    (progress.py): where the run is and where it ends, the training clock, the log lines, the stop signals.
     """
     train_loader, train_eval_loader, val_loader = loaders
-    tokens_per_step = speed["tokens_per_step"]
-    history = {"log": [], "tokens_seen": 0, "steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
-    start_epoch, global_step, skip_batches = 0, -1, 0
-    if resume:
-        history, start_epoch, global_step, skip_batches = (resume["history"], resume["epoch"], resume["step"] - 1,
-                                                           resume["batches_done"])
+    run = progress.TrainingProgress(args, device, speed, heartbeat, len(train_loader), resume)
+    inspector = run.inspector  # --profile, --memory-snapshot: the step's regions are labelled in the trace
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
     # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
     scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
     if resume and resume.get("scaler"):
         scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
-    clock = timekeeping.TrainClock(device)
-    stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
-    interval_tokens, first_interval, done = 0, True, False
-    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    if history["steps"] >= total_steps:  # resumed at or past the limit: never train beyond it
-        raise failures.NothingToTrain(f"the checkpoint has done {history['steps']} steps, and this run ends after "
-                                    f"{total_steps} (--epochs {args.epochs}, --max-steps {args.max_steps}); "
-                                    "raise --epochs or --max-steps to train on. No file was changed.")
-    inspector = inspection.RunInspection(args, device, global_step + 1, total_steps,  # --profile, --memory-snapshot
-                                         len(train_loader))
 
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(run.start_epoch, args.epochs):
         model.train()
         train_loader.sampler.set_epoch(epoch)  # NEW (DDP): a new, reproducible order each epoch, on every rank
-        batches = iter(train_loader)
-        batches_done = skip_batches if epoch == start_epoch else 0
-        for _ in range(batches_done):  # resuming: the batches this epoch trained before the checkpoint
-            next(batches)
-        clock.start()
-        for input_batch, target_batch in batches:
-            heartbeat.doing = f"training: epoch {epoch + 1}, step {global_step + 1}"
-            off_clock = inspector.off_clock(global_step + 1)  # a profiled step is slower: not timed
-            if off_clock:
-                clock.stop(wait=False)  # the events count queued kernels: let the GPU run on
-            optimizer.zero_grad()
-            micro_batches = zip(input_batch.chunk(args.grad_accum_steps), target_batch.chunk(args.grad_accum_steps))
-            for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):  # NEW (DDP): numbered
-                model.require_backward_grad_sync = micro == args.grad_accum_steps - 1  # NEW (DDP): one all-reduce
-                with inspector.region("forward with loss"):  # NEW (step 10): gradients add up, so each loss / N
-                    loss = calc_loss_batch(micro_inputs, micro_targets, model, device) / args.grad_accum_steps
-                with inspector.region("backward"):
-                    scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
-            with inspector.region("optimizer step"):
-                scaler.step(optimizer)  # NEW (step 5, float16 only): skips a step whose gradients overflowed
-                scaler.update()
-            global_step += 1
-            inspector.step_done(global_step)
-            if off_clock:
-                clock.start()
-            batches_done += 1
-            interval_tokens += 0 if off_clock else tokens_per_step
-            history["tokens_seen"] += tokens_per_step
-            done = global_step + 1 >= total_steps
+        for input_batch, target_batch in run.batches(train_loader, epoch):  # resumed: the batches not yet trained
+            with run.timed_step():  # the step, on the training clock (a profiled step is not timed)
+                optimizer.zero_grad()
+                micro_batches = zip(input_batch.chunk(args.grad_accum_steps), target_batch.chunk(args.grad_accum_steps))
+                for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):  # NEW (DDP): numbered
+                    # NEW (DDP): with accumulation, all-reduce once per step, in the last micro-batch's backward
+                    model.require_backward_grad_sync = micro == args.grad_accum_steps - 1
+                    with inspector.region("forward with loss"):  # NEW (accumulation): gradients add up: each loss / N
+                        loss = calc_loss_batch(micro_inputs, micro_targets, model, device) / args.grad_accum_steps
+                    with inspector.region("backward"):
+                        scaler.scale(loss).backward()  # NEW (step 5, float16 only): else the same as loss.backward()
+                with inspector.region("optimizer step"):
+                    scaler.step(optimizer)  # NEW (step 5, float16 only): skips a step whose gradients overflowed
+                    scaler.update()
 
-            if global_step % args.eval_freq == 0 or done:  # also log the final step
-                clock.stop()  # evaluation is not training: keep it off the clock
-                seconds = clock.take()
-                step_tok_per_sec = interval_tokens / seconds if interval_tokens else None  # None: all profiled
-                if not first_interval:  # the first interval holds the warm-up: left out of the average
-                    history["timed_tokens"] += interval_tokens
-                    history["timed_seconds"] += seconds
-                avg_tok_per_sec = (history["timed_tokens"] / history["timed_seconds"]
-                                   if history["timed_seconds"] else None)
-                mfu = utilization.mfu(step_tok_per_sec, speed["flops_per_token"], speed["peak_flops"])
-                heartbeat.doing = "evaluating"
-                train_loss, val_loss = evaluate_model(model.module.model, train_eval_loader, val_loader,  # NEW (DDP)
-                                                      device, args.eval_iter)
-                check_finite(loss, global_step, train_loss, val_loss)
-                print(f"Ep {epoch + 1}, Step {global_step:06d}, Train: {train_loss:.3f}, Val: {val_loss:.3f}, "
-                      f"Step tok/sec: {round(step_tok_per_sec) if step_tok_per_sec else 'n/a'}, Avg tok/sec: "
-                      + (f"{round(avg_tok_per_sec)}" if avg_tok_per_sec else "n/a")
-                      + (f", MFU: {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
-                history["log"].append({
-                    "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "val_loss": val_loss,
-                    "step_tok_per_sec": step_tok_per_sec, "avg_tok_per_sec": avg_tok_per_sec, "mfu": mfu,
-                    "tokens_seen": history["tokens_seen"], "epochs_seen": (global_step + 1) / len(train_loader),
-                    "timed_tokens": interval_tokens,
-                })
-                if first_interval:
-                    utilization.end_of_warm_up(device)  # the steady state's memory peaks count from here
-                interval_tokens, first_interval = 0, False
-                clock.start()
-            stop_signum = stop.requested()
-            if done or stop_signum or (args.save_every and (global_step + 1) % args.save_every == 0):
-                clock.stop()
-                check_finite(loss, global_step)
-                history["steps"] = global_step + 1
-                save_checkpoint({"epoch": epoch, "batches_done": batches_done, "step": global_step + 1,
-                                 "history": history, "rng": checkpoints.rng_state(device),
-                                 "scaler": scaler.state_dict()})  # NEW (step 5, float16 only): for --resume
-                if stop_signum:
-                    raise failures.Interrupted(stop_signum, global_step)
-                clock.start()
-            if done:
+            if run.log_due():  # every --eval-freq steps, and the last
+                with run.off_clock("evaluating"):  # evaluation is not training: keep it off the clock
+                    train_loss, val_loss = evaluate_model(model.module.model, train_eval_loader,  # NEW (DDP)
+                                                          val_loader, device, args.eval_iter)
+                    check_finite(loss, run.step, train_loss, val_loss)
+                    run.log(train_loss, val_loss)  # the log line and the history: losses, tok/s, MFU
+            if run.save_due():  # every --save-every steps, the last, or a stop signal (which ends the run)
+                with run.saving():  # off the clock too
+                    check_finite(loss, run.step)
+                    save_checkpoint({**run.state(), "scaler": scaler.state_dict()})  # NEW (step 5, float16 only)
+            if run.done:
                 break
 
-        clock.stop()  # the sample is not training either
-        heartbeat.doing = "generating a sample"
+        run.pause("generating a sample")  # the sample is not training either
         generate_and_print_sample(model.module.model, tokenizer, device,  # NEW (DDP): the model inside the wrapper
                                   start_context="Every effort moves you")
         if device.type == "cuda":
             print(f"Allocated memory: {torch.cuda.memory_allocated(device) / utilization.GIB:.4f} GiB")
             print(f"Reserved memory: {torch.cuda.memory_reserved(device) / utilization.GIB:.4f} GiB")
-        if done:
+        if run.done:
             break
-    history["steps"] = global_step + 1
-    history["profile"] = inspector.finish()
-    return history
+    return run.finish()
 
 
 def plot_losses(history, path_stem):
@@ -443,7 +384,7 @@ def setup_distributed(device_choice):
 def main():
     parser = cli.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
-    parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (step 10)
+    parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (accumulation)
     args = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
     cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
@@ -471,7 +412,7 @@ def main():
     train_dataset = SlidingWindowDataset(corpus.train, context, stride=context)
     val_dataset = SlidingWindowDataset(corpus.val, context, stride=context)
     cli.check_splits(args, len(train_dataset), len(val_dataset), context)  # one optimizer step, one window
-    train_loader = create_dataloader(train_dataset, args.batch_size * args.grad_accum_steps,  # NEW (step 10): one
+    train_loader = create_dataloader(train_dataset, args.batch_size * args.grad_accum_steps,  # NEW (accumulation): one
                                      shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
