@@ -63,8 +63,8 @@ def read_run(stages, run):
 def label(run):
     metrics, row = run["metrics"], run["row"]
     stage = Path(metrics["script"]).stem.split("_")[0]
-    return (f"{stage}: batch {row['batch_size']}, {metrics['precision']}, {metrics['avg_tok_per_sec']:,.0f} tok/s "
-            f"({metrics['steps']} steps, {metrics['tokens_seen'] / 1e6:.1f}M tokens)")
+    return (f"{stage}: batch {row['batch_size']}, {metrics['precision']}, {metrics['steps']} steps, "
+            f"{metrics['tokens_seen'] / 1e6:.1f}M tokens, the run's Avg {metrics['avg_tok_per_sec']:,.0f} tok/s")
 
 
 def time_to_reach(run, loss):
