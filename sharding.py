@@ -103,12 +103,12 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
     the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
     path, world_size, context = args.resume, dist.get_world_size(), cfg["context_length"]
-    checkpoint = checkpoints.load_checkpoint(args, args.batch_size * args.grad_accum_steps * context * world_size)
-    saved_world_size = int(checkpoint.get("world_size", world_size))  # opened at the start, memory-mapped
-    folder = Path(path).parent / str(checkpoint.get("sharded_state"))
-    if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
+    folder = Path(path).parent / str(args.checkpoint.get("sharded_state"))  # opened at the start, memory-mapped
+    if not args.checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
         raise failures.UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete "
                                 "(copy the model.dcp folder along with model.pth)")
+    checkpoint = checkpoints.load_checkpoint(args, args.batch_size * args.grad_accum_steps * context * world_size)
+    saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]
         there = cli.describe_split(saved["batch_size"], saved.get("grad_accum_steps", 1), saved_world_size)

@@ -5,7 +5,10 @@ global batch are refused; the ladder's option and the roofline count it.
 
 The exact checks run in float32 (the test hook) with dropout off (a wrapper sets the tiny config's rate to 0): with
 dropout on, one pass over 4 sequences and four passes over 1 draw different masks, and the runs agree only
-statistically (the last test states how closely).
+statistically (the last test states how closely). They compare the gradients themselves, as the first optimizer
+step sees them (the wrapper saves them), then the weights after three AdamW steps and the losses on the way: AdamW
+nearly ignores the gradients' scale, so the weights alone would hardly notice a sum of micro-batch losses left
+undivided.
 """
 
 import json
@@ -22,48 +25,68 @@ from test_stage03_fsdp import weights as sharded_weights
 
 FP32 = {devices.FORCE_PRECISION_VARIABLE: "fp32"}
 STEPS = 3  # AdamW's first step is sign(gradient) x lr; by the third the updates depend on the gradients' values
-NO_DROPOUT = """import sys
+NO_DROPOUT = """import os
+import sys
 sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from conftest import load_stage
-import devices
 import failures
 stage = load_stage({script!r})
 stage.TINY_CONFIG["drop_rate"] = 0.0
+
+
+def save_first_gradients(optimizer, args, kwargs):
+    # what the first optimizer step sees: the micro-batches' sum, after 02's all-reduce or 03's reduce-scatter;
+    # whole tensors (03's are shards of DTensors), in the order of the model's parameters, from rank 0
+    hook.remove()
+    gradients = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                 for group in optimizer.param_groups for p in group["params"]]
+    if os.environ.get("RANK", "0") == "0":
+        torch.save(gradients, os.environ["FIRST_GRADIENTS"])
+
+
+hook = register_optimizer_step_pre_hook(save_first_gradients)
 sys.exit(failures.run(stage.main))
 """
 
 
 def without_dropout(tmp_path, script):
-    """A file that runs `script`'s main with the tiny model's dropout off: python or torchrun can start it."""
+    """A file that runs `script`'s main with the tiny model's dropout off, saving the first step's gradients to
+    $FIRST_GRADIENTS: python or torchrun can start it."""
     path = tmp_path / f"no_dropout_{script}"
     path.write_text(NO_DROPOUT.format(root=str(ROOT), tests=str(ROOT / "tests"), script=script), encoding="utf-8")
     return path
 
 
+# (stage, split): (processes, flags). Every split trains the same 4 sequences per step, in the same order: one batch of
+# 4 ("whole", stage 01), 4 micro-batches of 1 (01), and 2 processes of 2 micro-batches of 1 (02 and 03).
+SPLITS = {
+    ("01", "whole"): (1, ["--batch-size", 4, "--eval-iter", 1]),
+    ("01", "micro"): (1, ["--batch-size", 1, "--grad-accum-steps", 4, "--eval-iter", 4]),
+    ("02", "micro"): (2, ["--batch-size", 1, "--grad-accum-steps", 2, "--eval-iter", 4]),
+    ("03", "micro"): (2, ["--batch-size", 1, "--grad-accum-steps", 2, "--eval-iter", 4]),
+}
+SCRIPTS = {"01": "01_opt_single_gpu.py", "02": "02_opt_multi_gpu_ddp.py", "03": "03_opt_multi_gpu_fsdp.py"}
+
+
 @pytest.fixture(scope="module")
 def exact_runs(tmp_path_factory, small_text_module):
-    """{(stage, split): (out folder, stdout)} of STEPS float32 steps without dropout: one batch of 4 ("whole") and 4
-    micro-batches of 1 ("micro"), 01 in one process, 02 and 03 in two. 03 has no "whole" run of its own: in float32
-    it equals 02's (test_stage03_fsdp.py checks it), so 03's micro-batches are held against 02's whole batch. All
-    eight processes start at once."""
+    """{(stage, split): (out folder, stdout)} of STEPS float32 steps without dropout, each of 4 sequences (SPLITS);
+    each folder also holds first_gradients.pt. Evaluation runs at the micro-batch: 1 batch of 4 and 4 batches of 1 are
+    the same 4 sequences. All six processes start at once."""
     root = tmp_path_factory.mktemp("grad_accum")
-    # evaluation runs at the micro-batch: 1 batch of 4 and 4 batches of 1 are the same 4 sequences
-    splits = {"whole": ["--batch-size", 4, "--eval-iter", 1],
-              "micro": ["--batch-size", 1, "--grad-accum-steps", 4, "--eval-iter", 4]}
     flags = ["--tiny", "--no-compile", "--data", small_text_module, "--max-steps", STEPS, "--eval-freq", 1]
     launches = {}
-    for script, processes in (("01_opt_single_gpu.py", 1), ("02_opt_multi_gpu_ddp.py", 2),
-                              ("03_opt_multi_gpu_fsdp.py", 2)):
-        wrapper = without_dropout(root, script)
-        for split, split_flags in splits.items():
-            if (script[:2], split) == ("03", "whole"):
-                continue
-            out = root / f"{script[:2]}-{split}"
-            launcher = ([sys.executable, wrapper] if processes == 1
-                        else torchrun("--standalone", f"--nproc_per_node={processes}", wrapper))
-            launches[script[:2], split] = (out, subprocess.Popen(
-                [*map(str, launcher), *map(str, flags + split_flags), "--out", str(out)], cwd=ROOT,
-                env=clean_env(**FP32), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for (stage, split), (processes, split_flags) in SPLITS.items():
+        wrapper = without_dropout(root, SCRIPTS[stage])
+        out = root / f"{stage}-{split}"
+        launcher = ([sys.executable, wrapper] if processes == 1
+                    else torchrun("--standalone", f"--nproc_per_node={processes}", wrapper))
+        launches[stage, split] = (out, subprocess.Popen(
+            [*map(str, launcher), *map(str, flags + split_flags), "--out", str(out)], cwd=ROOT,
+            env=clean_env(**FP32, FIRST_GRADIENTS=str(root / f"{stage}-{split}.pt")), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
     results = {}
     for key, (out, proc) in launches.items():
         stdout, stderr = proc.communicate(timeout=600)
@@ -85,31 +108,54 @@ def plain_weights(out):
     return torch.load(out / "model.pth", weights_only=True)["model"]
 
 
+def first_gradients(out):
+    return torch.load(out.parent / f"{out.name}.pt", weights_only=True)
+
+
 @pytest.mark.parametrize("stage", ["01", "02", "03"])
-def test_micro_batches_give_the_weights_of_one_batch(exact_runs, stage):
-    (whole, _), (micro, stdout) = exact_runs["02" if stage == "03" else stage, "whole"], exact_runs[stage, "micro"]
+def test_the_accumulated_gradients_are_those_of_the_whole_batch(exact_runs, stage):
+    """The gradients of the first step, before AdamW (which nearly ignores their scale): 4 micro-batches of 1 in
+    01, 2 processes x 2 micro-batches of 1 in 02 and 03, against one batch of 4 in 01. Each micro-batch's loss
+    divided by the accumulation steps, the processes averaged: the mean over the 4 sequences."""
+    ours, theirs = first_gradients(exact_runs[stage, "micro"][0]), first_gradients(exact_runs["01", "whole"][0])
+    assert len(ours) == len(theirs) == len(list(plain_weights(exact_runs["01", "whole"][0])))
+    largest = max(gradient.abs().max().item() for gradient in theirs)
+    apart = max((gradient - expected).abs().max().item() for gradient, expected in zip(ours, theirs))
+    print(f"{stage}: gradients at most {apart:.2e} apart, the largest {largest:.2e}")
+    for index, (gradient, expected) in enumerate(zip(ours, theirs)):
+        # the same sums in float32, added in another order: measured at most 1.5e-8 apart in all three, against
+        # gradients up to 9.7e-2; a forgotten division by the accumulation steps makes them 4 (01) or 2 times larger
+        torch.testing.assert_close(gradient, expected, rtol=1e-5, atol=1e-6 * largest,
+                                   msg=lambda text, index=index: f"parameter {index}: {text}")
+
+
+@pytest.mark.parametrize("stage", ["01", "02", "03"])
+def test_after_three_adamw_steps_the_weights_are_those_of_the_whole_batch(exact_runs, stage):
+    (whole, _), (micro, stdout) = exact_runs["01", "whole"], exact_runs[stage, "micro"]
     ours = (sharded_weights if stage == "03" else plain_weights)(micro)
     theirs = plain_weights(whole)
     assert ours.keys() == theirs.keys()
     for name in ours:  # the same sums in float32, added in another order
         # (atol: AdamW divides by the root of tiny second moments where an embedding row was seen once; a wrong
         # gradient would move a weight by the learning rate, 5e-4 a step)
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-5, msg=name)
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-5,
+                                   msg=lambda text, name=name: f"{name}: {text}")
     metrics = json.loads((micro / "metrics.json").read_text())
-    assert metrics["steps"] == STEPS and metrics["settings"]["grad_accum_steps"] == 4
-    processes = 1 if stage == "01" else 2
-    assert metrics["tokens_seen"] == STEPS * 4 * processes * 64  # every micro-batch's tokens, of every process
-    expected = ("batch 1 x 4 accumulation steps" + (" x 2 processes" if processes > 1 else "")
-                + f" = {4 * processes} sequences ({4 * processes * 64} tokens) per optimizer step")
+    processes, _ = SPLITS[stage, "micro"]
+    accumulation = 4 // processes
+    assert metrics["steps"] == STEPS and metrics["settings"]["grad_accum_steps"] == accumulation
+    assert metrics["tokens_seen"] == STEPS * 4 * 64  # every micro-batch's tokens, of every process
+    expected = (f"batch 1 x {accumulation} accumulation steps" + (" x 2 processes" if processes > 1 else "")
+                + " = 4 sequences (256 tokens) per optimizer step")
     assert expected in stdout, stdout[:3000]
 
 
-def test_the_losses_match_too(exact_runs):
+def test_the_validation_losses_match_at_every_step(exact_runs):
+    whole = json.loads((exact_runs["01", "whole"][0] / "metrics.json").read_text())["log"]
     for stage in ("01", "02", "03"):
-        logs = [json.loads((exact_runs[key][0] / "metrics.json").read_text())["log"]
-                for key in (("02" if stage == "03" else stage, "whole"), (stage, "micro"))]
-        assert [entry["step"] for entry in logs[0]] == [entry["step"] for entry in logs[1]] == list(range(STEPS))
-        for a, b in zip(*logs):
+        micro = json.loads((exact_runs[stage, "micro"][0] / "metrics.json").read_text())["log"]
+        assert [entry["step"] for entry in whole] == [entry["step"] for entry in micro] == list(range(STEPS))
+        for a, b in zip(whole, micro):
             assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5), (stage, a, b)
 
 

@@ -30,7 +30,8 @@ import failures
 import sharding
 import utilization
 from conftest import ROOT, check_wall_clock, load_stage
-from test_speed_habits import compiled_frames, largest_allocation
+from test_speed_habits import (check_the_probe_of_breaks_and_recompiles, compiled_frames, float32_logits_bytes,
+                                largest_allocation)
 from test_stage02_ddp import clean_env, free_port, torchrun
 
 STAGE = "03_opt_multi_gpu_fsdp.py"
@@ -97,8 +98,9 @@ def two_processes(*args):
 def runs(tmp_path_factory):
     """Every torchrun and python run of this file. Wave 1: the float32 reference of 03 and the same run of 02,
     6 steps with activation checkpointing on two torchrun "nodes" of one process, and a run stopped by SIGTERM.
-    Wave 2: the 6-step run resumed to 12 steps (2 processes), the SIGTERM checkpoint resumed by 1 process,
-    a compiled run with TORCH_LOGS, and a --resume of a model.pth without its shards."""
+    Wave 2: the SIGTERM checkpoint resumed by 1 process at the same global batch, a compiled run with TORCH_LOGS,
+    and a --resume of a model.pth without its shards. (Resumes that go on exactly, with and without accumulation,
+    and at another process count: tests/test_resume_matrix.py.)"""
     from data import load_text
 
     root = tmp_path_factory.mktemp("stage03")
@@ -137,13 +139,10 @@ def runs(tmp_path_factory):
         shutil.copy(root / "reference" / "model.pth", no_shards / "model.pth")  # without its model.dcp folder
         plain = [sys.executable, STAGE, *flags, "--no-compile"]
         launches = {
-            "resumed": Launch(two_processes(STAGE, *flags, "--no-compile", "--out", root / "split0",
-                                            "--max-steps", REFERENCE_STEPS, "--resume", root / "split0" / "model.pth"),
-                              fp32),
-            # 1 process goes on from the 2-process checkpoint: its steps are half as large, so step N is step 2N
+            # 1 process goes on from the 2-process checkpoint with the same global batch: 8 sequences a step
             "resharded": Launch([*plain, "--out", root / "resharded", "--eval-freq", 1, "--epochs", 50,
-                                 "--max-steps", 2 * sigterm_step + 2, "--resume", root / "resharded" / "model.pth"],
-                                clean_env()),
+                                 "--batch-size", 2 * TINY_BATCH, "--max-steps", sigterm_step + 2,
+                                 "--resume", root / "resharded" / "model.pth"], clean_env()),
             "compiled": Launch(two_processes(STAGE, *flags, "--out", root / "compiled", "--max-steps", 4,
                                              "--eval-freq", 2), clean_env(TORCH_LOGS="recompiles,graph_breaks,dynamo")),
             "no_shards": Launch([*plain, "--out", root / "bad", "--resume", no_shards / "model.pth"], clean_env()),
@@ -216,30 +215,10 @@ def test_two_nodes_with_activation_checkpointing_train_like_the_reference(runs):
     assert len(memory_lines) == 2 and all(re.search(r"\d (GiB|MiB)\b", line) for line in memory_lines)
     assert not any(re.search(r"\d (GB|MB)\b", line) for line in memory_lines), memory_lines  # one unit: GiB
     reference = losses(runs.root / "reference")
-    split = read_metrics(runs.root / "split0")["log"]  # the resumed run rewrote it: its first part is in there
-    split = {entry["step"]: (entry["train_loss"], entry["val_loss"]) for entry in split if entry["step"] < SPLIT_AT}
+    split = losses(runs.root / "split0")
     assert sorted(split) == [0, 3, 5]
     for step in (0, 3):
         assert split[step] == pytest.approx(reference[step], abs=1e-6), step
-
-
-def test_resume_at_the_same_world_size_is_exact(runs):
-    rc, stdout, stderr = runs.results["resumed"]
-    assert rc == 0, stdout[-2000:] + stderr[-3000:]
-    assert f"Resuming {runs.root / 'split0' / 'model.pth'} after step {SPLIT_AT - 1:06d}" in stdout
-    assert "Resharding" not in stdout
-    # measured after the first step trained, not after the step DCP takes at learning rate 0 to create AdamW's state
-    assert stdout.index("Memory per rank, measured") > stdout.index("Resuming "), stdout
-    reference, resumed = losses(runs.root / "reference"), losses(runs.root / "split0")
-    for step in (6, 9, 11):
-        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
-    ours, expected = weights(runs.root / "split0"), weights(runs.root / "reference")
-    for name in expected:
-        torch.testing.assert_close(ours[name], expected[name], rtol=0, atol=1e-6, msg=name)
-    # the folder of the first part's shards is gone: only the one model.pth names is left
-    checkpoint = torch.load(runs.root / "split0" / "model.pth", weights_only=True)
-    assert [p.name for p in (runs.root / "split0" / "model.dcp").iterdir()] == [f"step-{REFERENCE_STEPS:06d}"]
-    assert checkpoint["sharded_state"] == f"model.dcp/step-{REFERENCE_STEPS:06d}"
 
 
 def test_sigterm_saves_every_rank_shard_and_one_process_goes_on(runs):
@@ -257,16 +236,16 @@ def test_sigterm_saves_every_rank_shard_and_one_process_goes_on(runs):
     assert "world size: 1" in stdout and "Resharding: the checkpoint was written by 2" in stdout, stdout
     metrics = read_metrics(runs.root / "resharded")
     before = [entry for entry in metrics["log"] if entry["step"] < step]
-    after = [entry for entry in metrics["log"] if entry["step"] >= 2 * step]
+    after = [entry for entry in metrics["log"] if entry["step"] >= step]
     assert before == checkpoint["history"]["log"]  # the history goes on
-    assert [entry["step"] for entry in after] == [2 * step, 2 * step + 1]
-    assert metrics["tokens_seen"] == checkpoint["history"]["tokens_seen"] + 2 * TINY_BATCH * TINY_CONTEXT
+    assert [entry["step"] for entry in after] == [step, step + 1]  # the same global batch: the same step numbers
+    assert metrics["tokens_seen"] == checkpoint["history"]["tokens_seen"] + 2 * 2 * TINY_BATCH * TINY_CONTEXT
     # it goes on from the checkpoint's weights: its first loss is the last one logged before, one step further
     last_before = checkpoint["history"]["log"][-1]["train_loss"]
     assert after[0]["train_loss"] == pytest.approx(last_before, abs=0.05)
     assert after[0]["train_loss"] < checkpoint["history"]["log"][0]["train_loss"] - 0.01
     final = torch.load(runs.root / "resharded" / "model.pth", weights_only=True)
-    assert final["step"] == 2 * step + 2 and final["world_size"] == 1
+    assert final["step"] == step + 2 and final["world_size"] == 1
 
 
 def test_the_export_loads_into_stage01_and_matches_the_sharded_state(runs, stage03, tmp_path):
@@ -307,15 +286,16 @@ def test_a_checkpoint_of_stage02_is_refused(runs):
 # 3. torch.compile per block: one graph each, none recompiled by evaluation or generation
 # ---------------------------------------------------------------------------------------------
 
-def test_compiled_blocks_never_recompile_nor_break(runs):
+def test_compiled_blocks_never_recompile_nor_break(runs, capfd):
+    check_the_probe_of_breaks_and_recompiles(capfd)
     rc, stdout, stderr = runs.results["compiled"]
     assert rc == 0, stdout[-2000:] + stderr[-3000:]
     assert stdout.count("Every effort moves you") == 1 and "Step 000002" in stdout  # it evaluated and generated
-    assert "Recompiling" not in stderr, re.findall(r".*Recompiling.*\n.*\n.*", stderr)[:3]
-    assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]
-    frames = compiled_frames(stderr)
+    frames = compiled_frames(stderr)  # TORCH_LOGS took effect
     # per rank: the blocks' forward (one graph for both blocks), and the loss for training and for evaluation
     assert sorted(name for _, _, name in frames) == sorted(["forward", "training_loss", "evaluation_loss"] * 2)
+    assert "Recompiling" not in stderr, re.findall(r".*Recompiling.*\n.*\n.*", stderr)[:3]
+    assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]
     assert all(attempt == 0 for _, attempt, _ in frames), frames
     check_wall_clock(stdout, runs.root / "compiled", compiled=True)  # the blocks' and the loss's compilation
 
@@ -461,7 +441,7 @@ def test_the_compiled_loss_keeps_no_float32_copy_of_the_logits(stage03):
             stage03.evaluation_loss(logits.detach(), targets)
 
     training(), evaluation()  # compile both graphs first
-    float32_logits = logits.numel() * 4  # 51.5 MB
+    float32_logits = float32_logits_bytes(logits.shape[0] * logits.shape[1], stage03.REAL_VOCAB_SIZE)  # 51.5 MB
     largest = {"training": largest_allocation(training), "evaluation": largest_allocation(evaluation)}
     print({name: f"{size / 1e6:.1f} MB" for name, size in largest.items()})
     assert max(largest.values()) < float32_logits  # measured: 25.8 MB (the bf16 gradient), and under 0.1 MB
