@@ -1,6 +1,7 @@
-"""Runs that survive: exact resume, interrupts, atomic checkpoints, bad checkpoints, out of memory, NaN, dead ranks."""
+"""Runs that survive: interrupts, atomic checkpoints, bad checkpoints, out of memory, NaN, dead ranks.
 
-import json
+That a resumed run goes on exactly is the matrix of tests/test_resume_matrix.py."""
+
 import os
 import signal
 import subprocess
@@ -13,38 +14,7 @@ import torch
 
 import checkpoints
 import failures
-from conftest import ROOT, logged_losses, run_script, run_with_fault, wait_for
-
-STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
-
-
-def eager(script):
-    return ["--no-compile"] if not script.startswith("00") else []
-
-
-@pytest.mark.parametrize("script", STAGES)
-def test_resume_continues_exactly(tmp_path, small_text, script):
-    """2N steps in one go == N steps, then --resume for N more: the same losses at every logged step."""
-    text = tmp_path / "short.txt"
-    text.write_text(small_text.read_text(encoding="utf-8")[:16_000], encoding="utf-8")  # 14 steps per epoch
-    flags = ["--tiny", "--data", text, "--epochs", "3", "--eval-freq", "4", *eager(script)]
-    # 20 steps cross an epoch boundary, and dropout (0.1) is on: the batch order and the RNG must resume too
-    whole = run_script(script, *flags, "--out", tmp_path / "whole", "--max-steps", "20")
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    first = run_script(script, *flags, "--out", tmp_path / "split", "--max-steps", "10")
-    assert first.returncode == 0, first.stderr[-2000:]
-    second = run_script(script, *flags, "--out", tmp_path / "split", "--max-steps", "20",
-                        "--resume", tmp_path / "split" / "model.pth")
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "Resuming" in second.stdout and "after step 000009" in second.stdout  # the log's numbering
-
-    expected, resumed = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "split")
-    assert set(expected) <= set(resumed)  # the resumed run also logged step 9, where the first part ended
-    assert max(expected) == 19 and max(resumed) == 19 and len(expected) == 6
-    for step, losses in expected.items():
-        assert resumed[step] == pytest.approx(losses, abs=1e-6), step
-    metrics = json.loads((tmp_path / "split" / "metrics.json").read_text())
-    assert metrics["steps"] == 20 and metrics["tokens_seen"] == 20 * 4 * 64
+from conftest import ROOT, run_script, run_with_fault, wait_for
 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -189,6 +159,37 @@ def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
     assert expected_word in message
     assert (out / "model.pth").read_bytes() == b"sentinel"
     assert sorted(path.name for path in out.iterdir()) == ["model.pth"], "a lock file left behind"
+
+
+def test_under_torchrun_a_usage_error_found_alike_is_printed_by_the_first_process_of_each_node(
+        monkeypatch, capsys, tmp_path):
+    """Every process of a job checks the same command line, files and checkpoint: the line comes once per node,
+    from LOCAL_RANK 0, and every process exits with 2 (the end-to-end case: tests/test_resume_matrix.py). A
+    damaged window of a prepared corpus is found by the process that reads it, whichever that is: it says so."""
+    import numpy as np
+
+    import cli
+    from data.shards import TokenShards
+
+    def refused():
+        raise failures.UsageError("--resume x: refused")
+
+    damaged = tmp_path / "tokens.bin"
+    np.array([1, 2, 60000], dtype=np.uint16).tofile(damaged)
+
+    def reads_a_damaged_window():
+        TokenShards([damaged], [3])[0:3]
+
+    for local_rank, prints in (("0", True), ("1", False)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert failures.run(refused) == failures.EXIT_USAGE
+        assert capsys.readouterr().err == ("error: --resume x: refused\n" if prints else "")
+        with pytest.raises(SystemExit) as exited:
+            cli.OneLineParser(prog="03_opt_multi_gpu_fsdp.py", allow_abbrev=False).parse_args(["--max-step", "3"])
+        assert exited.value.code == failures.EXIT_USAGE
+        assert ("unrecognized arguments: --max-step 3" in capsys.readouterr().err) == prints
+        assert failures.run(reads_a_damaged_window) == failures.EXIT_USAGE
+        assert "token id 60000 at or after position 0" in capsys.readouterr().err  # on either process
 
 
 def test_checkpoint_holds_what_resume_needs(tiny_checkpoint, stage00):

@@ -8,6 +8,7 @@
   across the ranks, collective timeouts sized and stated.
 """
 
+import itertools
 import json
 import math
 import os
@@ -48,6 +49,13 @@ def tiny_batch(stage, batch_size=4):
 # 1. The loss inside the compiled graph: no float32 logits, and a loss that keeps its digits
 # ---------------------------------------------------------------------------------------------
 
+def float32_logits_bytes(tokens, real_vocab_size):
+    """The smallest float32 copy of a batch's logits: its tokens x the tokenizer's real ids (50,257; the padded
+    columns, up to 50,304, are left out, since a copy may drop them), 4 bytes each. A float32 copy of the logits in
+    any form allocates at least this much at once."""
+    return tokens * real_vocab_size * 4
+
+
 def largest_allocation(run):
     """The largest single CPU allocation (bytes) made while `run()` executes, from the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -59,8 +67,7 @@ def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage, bf16_cpu
     model = tiny_model(stage)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     inputs, targets = tiny_batch(stage)
-    cfg = stage.TINY_CONFIG
-    float32_logits = inputs.numel() * cfg["vocab_size"] * 4  # 51.5 MB: the biggest tensor of the step, widened
+    float32_logits = float32_logits_bytes(inputs.numel(), stage.REAL_VOCAB_SIZE)  # 51.5 MB: the step's largest, widened
     trained = stage.ModelWithLoss(model) if hasattr(stage, "ModelWithLoss") else model  # 02: the module DDP wraps
 
     def training_step():
@@ -125,6 +132,32 @@ def compiled_frames(stderr):
     return [(int(frame), int(attempt), name) for frame, attempt, name in COMPILE_ID.findall(stderr)]
 
 
+_probes = itertools.count()
+
+
+def check_the_probe_of_breaks_and_recompiles(capfd):
+    """The tests that find no "Graph break" and no "Recompiling" line in a run's TORCH_LOGS output would pass as well
+    if this PyTorch's logs said it otherwise: a deliberate graph break and a recompile (a new shape) must print
+    those words under TORCH_LOGS' graph_breaks and recompiles, here in-process."""
+    import torch._dynamo
+    import torch._logging
+
+    # a function of its own each time (Dynamo caches a function's compilation by its code object)
+    namespace = {"torch": torch}
+    exec(compile("def broken(x):\n    x = x + 1\n    torch._dynamo.graph_break()\n    return x * 2\n",
+                 f"<graph break probe {next(_probes)}>", "exec"), namespace)
+    broken = namespace["broken"]
+    capfd.readouterr()
+    torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    try:
+        compiled = torch.compile(broken, backend="eager", dynamic=False)
+        compiled(torch.ones(2)), compiled(torch.ones(3))
+    finally:
+        torch._logging.set_logs()  # back to the defaults
+    logged = capfd.readouterr().err
+    assert "Graph break" in logged and "Recompiling" in logged, logged[-3000:]
+
+
 def half_text(small_text, folder):
     """The first half of the small text: 15 steps of 2 x 4 sequences per epoch, a validation split of 14 windows."""
     path = folder / "half.txt"
@@ -132,9 +165,10 @@ def half_text(small_text, folder):
     return path
 
 
-def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text, tmp_path):
+def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text, tmp_path, capfd):
     # 2 epochs (two samples, train -> eval -> train switches), every validation batch (the last one is short),
     # 2 micro-batches of 4 per step: the step runs the compiled graph twice, at the same shapes
+    check_the_probe_of_breaks_and_recompiles(capfd)
     result = subprocess.run(
         [sys.executable, "01_opt_single_gpu.py", "--tiny", "--data", half_text(small_text, tmp_path), "--out",
          tmp_path / "run", "--epochs", "2", "--eval-freq", "10", "--eval-iter", "100", "--grad-accum-steps", "2"],
@@ -142,9 +176,9 @@ def test_stage01_compiles_its_training_step_once_and_never_recompiles(small_text
         env={**os.environ, "TORCH_LOGS": "recompiles,dynamo", "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("Every effort moves you") == 2  # a sample after each epoch
-    assert "Recompiling" not in result.stderr, re.findall(r".*Recompiling.*\n.*\n.*", result.stderr)
-    frames = compiled_frames(result.stderr)
+    frames = compiled_frames(result.stderr)  # TORCH_LOGS took effect
     assert sorted(name for _, _, name in frames) == ["evaluation_loss", "training_loss"], frames
+    assert "Recompiling" not in result.stderr, re.findall(r".*Recompiling.*\n.*\n.*", result.stderr)
     assert all(attempt == 0 for _, attempt, _ in frames)
 
 
@@ -303,11 +337,14 @@ def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatc
     assert re.search(r"10 minutes", readme) and "COLLECTIVE_TIMEOUT" in readme
 
 
-def test_stage02_ranks_draw_their_own_dropout_masks_and_resume_them(small_text, tmp_path):
+def test_stage02_compiled_at_two_ranks_never_recompiles_and_saves_each_ranks_dropout_state(small_text, tmp_path,
+                                                                                            capfd):
     """Compiled, two gloo ranks, 2 micro-batches per step (the all-reduce switched off for the first): no
-    recompiles, no graph break; the checkpoint holds each rank's own random state."""
+    recompiles, no graph break; the checkpoint holds each rank's own random state, and the ranks' next masks
+    differ. (That a resume restores each rank's own state: tests/test_resume_matrix.py, 02 at two processes.)"""
     from test_stage02_ddp import clean_env, run_all, torchrun
 
+    check_the_probe_of_breaks_and_recompiles(capfd)
     out = tmp_path / "run"
     [(rc, stdout, stderr)] = run_all([torchrun(
         "--standalone", "--nproc_per_node=2", "02_opt_multi_gpu_ddp.py", "--tiny", "--data", small_text,
@@ -315,10 +352,10 @@ def test_stage02_ranks_draw_their_own_dropout_masks_and_resume_them(small_text, 
         "--grad-accum-steps", 2)], timeout=400,
         envs=[clean_env(TORCH_LOGS="recompiles,dynamo,graph_breaks")])
     assert rc == 0, stdout[-2000:] + stderr[-3000:]
+    frames = compiled_frames(stderr)  # TORCH_LOGS took effect: dynamo's lines are there
+    assert "training_loss" in [name for _, _, name in frames] and "evaluation_loss" in [n for _, _, n in frames]
     assert "Recompiling" not in stderr
     assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]  # DDP wraps the compiled unit
-    frames = compiled_frames(stderr)
-    assert "training_loss" in [name for _, _, name in frames] and "evaluation_loss" in [n for _, _, n in frames]
     assert all(attempt == 0 for _, attempt, _ in frames), frames
     assert "Weight checksums of the 2 ranks: identical" in stdout  # identical weights despite distinct seeds
 

@@ -26,6 +26,12 @@ from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage,
 BATCH = 8  # 00's own batch: larger ones do not fit its float32 attention matrices
 STEPS = 160  # 1.3 M tokens, within one epoch (167 steps at batch 8); 00 takes ~0.25 s a step in float32
 EVAL_FREQ = 80  # log lines at steps 0, 80 and 159
+# Fidelity: how far apart two stages' validation losses may be (relative), from the measured differences with a
+# margin. On one H100 (2026-11-25, bench/results/nvidia-h100-80gb-hbm3/gpu_tier/measured.txt), after the run's 1.3 M
+# tokens: 01 against 00 +0.366%, 02 against 01 +0.072%, 03 against 02 -0.089% (other dropout masks, and for 00 other
+# initial rows): allowed 1%, 2.7 times the largest. After the first step, where 02 and 01 differ by one step's
+# dropout masks: +0.024%, allowed 0.2% (8 times: a single measurement, of a difference that small).
+AFTER_THE_RUN, AFTER_THE_FIRST_STEP = 0.01, 0.002
 SAMPLE_PROMPT = "Every effort moves you"
 
 
@@ -225,7 +231,7 @@ def compare_validation_losses(reference, candidate, names, allowed, report, why)
 
 
 def test_01_learns_like_00(run_00, run_01, report):  # budget: none (the runs' metrics)
-    compare_validation_losses(run_00, run_01, ("00 (float32)", "01 (bf16 autocast)"), 0.02, report,
+    compare_validation_losses(run_00, run_01, ("00 (float32)", "01 (bf16 autocast)"), AFTER_THE_RUN, report,
                               "the stages draw different initial weights (01's padded vocabulary adds rows), so they "
                               "agree statistically")
 
@@ -238,15 +244,16 @@ def test_02_at_world_size_1_learns_like_01(run_01, run_02, report):  # budget: n
     # math (tests/test_stage02_ddp.py: eager, the same masks, equal weights).
     first_01, first_02 = (run.metrics()["log"][0]["val_loss"] for run in (run_01, run_02))
     report(f"fidelity: validation loss after the first step: 01 {first_01:.4f}, 02 at world size 1 {first_02:.4f}: "
-           f"{first_02 / first_01 - 1:+.3%} (allowed: 0.5%)")
-    assert abs(first_02 / first_01 - 1) <= 0.005, "02 starts from other weights or batches than 01, or steps otherwise"
-    compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), 0.02, report,
+           f"{first_02 / first_01 - 1:+.3%} (allowed: {AFTER_THE_FIRST_STEP:.1%})")
+    assert abs(first_02 / first_01 - 1) <= AFTER_THE_FIRST_STEP, (
+        "02 starts from other weights or batches than 01, or steps otherwise")
+    compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), AFTER_THE_RUN, report,
                               "other dropout masks (the graph split at DDP's buckets) make the runs agree "
-                              "statistically, as 00 and 01 do; the target is 0.5%, reported above")
+                              "statistically, as 00 and 01 do")
 
 
 def test_03_at_world_size_1_learns_like_02(run_02, run_03, report):  # budget: none (the runs' metrics)
-    compare_validation_losses(run_02, run_03, ("02 at world size 1", "03 at world size 1"), 0.02, report,
+    compare_validation_losses(run_02, run_03, ("02 at world size 1", "03 at world size 1"), AFTER_THE_RUN, report,
                               "03 gathers its weights in bf16 and compiles block by block (other dropout draws): "
                               "the runs agree statistically")
 
