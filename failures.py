@@ -1,4 +1,4 @@
-"""Errors and exit codes: what a run's failures mean to the shell (the README's "Exit codes").
+"""Errors and exit codes: what a run's failures mean to the shell (docs/operations.md, "Exit codes").
 
 The stages raise these; failures.run(main) turns them into one line on stderr and the documented exit code.
 """
@@ -103,7 +103,7 @@ def _found_alone(err):
 
 
 def run(main):
-    """Run a stage's main() and turn its failures into the exit codes the README lists (section "Exit codes")."""
+    """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes")."""
     _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
     try:
         main()

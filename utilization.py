@@ -11,8 +11,8 @@ import time
 # ---------------------------------------------------------------------------------------------
 
 # One row per GPU: (name pattern, dense peak TFLOP/s as (bf16, fp16, tf32, fp32), memory bandwidth in GB/s).
-# Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (the README's "Reading the log" lists
-# them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
+# Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (docs/measuring.md, "Reading the log",
+# lists them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
 # accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures "with sparsity"
 # are halved. Bandwidth (bench/roofline.py) is the HBM or GDDR figure of the same sheets: A100 data sheet (80 GB
 # SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35 TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100),
@@ -120,7 +120,7 @@ def memory_line(num_params, cfg, batch_size, precision, flash_attention):
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory: one unit everywhere (the log, metrics.json's *_gb keys, the ladder, the README): GiB, 1024^3 bytes
+# Memory: one unit everywhere (the log, metrics.json's *_gb keys, the ladder, the docs): GiB, 1024^3 bytes
 # ---------------------------------------------------------------------------------------------
 
 GIB = 1024**3

@@ -1,7 +1,7 @@
 """Benchmark ladder: the original tutorial's table of speed-ups, rebuilt on the machine at hand.
 
 Rung 0 is 00_orig.py, rungs 1 to 10 add the ten optimizations of stage 01 one at a time, numbered as in the
-README's "The ten optimizations of stage 01" (rung 10 is 01_opt_single_gpu.py); rung 11 is
+README's "The ten steps" (rung 10 is 01_opt_single_gpu.py); rung 11 is
 02_opt_multi_gpu_ddp.py (DDP) and rung 12 is 03_opt_multi_gpu_fsdp.py (FSDP2), both under torchrun on every
 visible GPU (one process on a CPU) at the same settings. Each rung runs in a fresh process, on the same corpus,
 seed and batch order: a few warm-up steps (not timed), then the measured steps in timing windows. Written to

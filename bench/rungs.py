@@ -1,7 +1,7 @@
 """The rungs of the benchmark ladder, composed from the stage scripts' own code.
 
 Rung 0 is 00_orig.py, rung 10 is 01_opt_single_gpu.py, and rung k (1 to 9) is rung k-1 plus
-optimization k, numbered as in the README's "The ten optimizations of stage 01". No rung has a model of
+optimization k, numbered as in the README's "The ten steps". No rung has a model of
 its own: each one loads fresh copies of 00 and 01 as modules and picks its parts from them (model classes,
 config dicts, data loader, loss function), wired in the order 01's main() wires them. The one part neither
 stage has is rung 1's attention (stage 00's hand-written attention, but with the causal mask made at each
