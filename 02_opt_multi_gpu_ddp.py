@@ -447,7 +447,7 @@ def main():
         resume = checkpoints.load_checkpoint(args, speed["tokens_per_step"])  # opened and checked at the start
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
-        checkpoints.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout
+        checkpoints.restore_rng(checkpoints.rng_of_rank(resume["rng"], rank, args.seed), device)  # NEW (DDP): its own
         print(cli.resume_line(args, resume))
 
     def save_checkpoint(progress):

@@ -459,7 +459,7 @@ def main():
     resume = None
     if args.resume:
         resume = sharding.load_checkpoint(model, optimizer, args, cfg, len(train_loader))  # NEW (FSDP): its shards
-        checkpoints.restore_rng(resume["rng"][rank % len(resume["rng"])], device)  # NEW (DDP): this rank's dropout
+        checkpoints.restore_rng(checkpoints.rng_of_rank(resume["rng"], rank, args.seed), device)  # NEW (DDP): its own
         print(cli.resume_line(args, resume))
 
     def save_checkpoint(progress):

@@ -143,6 +143,19 @@ def rng_state(device):
             "mps": torch.mps.get_rng_state() if device.type == "mps" else None}
 
 
+def rng_of_rank(states, rank, seed):
+    """The random state a rank resumes with: its own from the checkpoint's list (one per process of the run that
+    saved it), or, for a rank that run did not have (more processes now), a fresh one seeded with seed + rank, as the
+    rank would have started with: never another rank's, which would repeat that rank's dropout masks."""
+    import torch
+
+    if rank < len(states):
+        return states[rank]
+    fresh = seed + rank
+    return {"torch": torch.Generator().manual_seed(fresh).get_state(), "python": random.Random(fresh).getstate(),
+            "cuda": None, "mps": None}
+
+
 def restore_rng(state, device):
     import torch
 

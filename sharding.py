@@ -12,7 +12,6 @@ it, <out>/model.dcp/step-NNNNNN/, each rank writing its own file. model.pth name
 whenever a run stops, model.pth and the folder it names belong together.
 """
 
-import random
 import shutil
 from pathlib import Path
 
@@ -120,20 +119,12 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
               f"{steps_per_epoch} steps done) with the first window not yet trained on"
               + ("; ranks the checkpoint had no random state for draw new dropout masks."
                  if world_size > saved_world_size else "."))
-        checkpoint["rng"] = [checkpoint["rng"][rank] if rank < saved_world_size else _fresh_rng_state(args.seed + rank)
-                             for rank in range(world_size)]
     del checkpoint["model"]  # the full weights: DCP reads this rank's shards of them instead
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     return checkpoint
-
-
-def _fresh_rng_state(seed):
-    """A random state of checkpoints.rng_state's form, as a rank seeded with `seed` starts with."""
-    return {"torch": torch.Generator().manual_seed(seed).get_state(), "python": random.Random(seed).getstate(),
-            "cuda": None, "mps": None}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -268,3 +268,21 @@ def test_a_changed_global_batch_is_refused_once_per_launch(matrix):
     exit_codes = [line.split(":")[1].split()[0] for line in stderr.splitlines() if line.strip().startswith("exitcode")]
     assert exit_codes and set(exit_codes) == {"2"}, stderr[-3000:]  # torchrun's report: every rank it lists exited 2
     assert (root / REFUSED / "model.pth").read_bytes() == before  # nothing written
+
+
+def test_a_rank_the_checkpoint_had_no_state_for_draws_its_own_dropout_masks():
+    """02 and 03 resumed on more processes than wrote the checkpoint: a new rank must not take another rank's random
+    state (that rank's dropout masks, drawn twice), but the one it would have started with: seed + rank."""
+    import checkpoints
+
+    saved = [checkpoints.rng_of_rank([], rank, seed=123) for rank in range(2)]  # as two ranks start
+    assert checkpoints.rng_of_rank(saved, 1, seed=999) is saved[1]  # a rank the checkpoint had: its own state
+    new = checkpoints.rng_of_rank(saved, 2, seed=123)
+    torch.set_rng_state(new["torch"])
+    masks = [torch.nn.functional.dropout(torch.ones(1000), 0.1) == 0]
+    for state in saved:
+        torch.set_rng_state(state["torch"])
+        masks.append(torch.nn.functional.dropout(torch.ones(1000), 0.1) == 0)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+    torch.manual_seed(123 + 2)
+    assert torch.equal(torch.get_rng_state(), new["torch"])  # what rank 2 seeds itself with at the start
