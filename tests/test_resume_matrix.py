@@ -94,9 +94,8 @@ CELLS = {
     "02-2procs-accum2": Resume("02-accum2", 2),
     "03-2procs-accum1": Resume("03-accum1", 2),
     "03-2procs-accum2": Resume("03-accum2", 2),
-    # another process count, the same global batch: 2 x 2 -> 1 x 2 x 2; 2 x 2 x 2 -> 1 x 2 x 4 -> 2 x 2 x 2 (the
+    # another process count, the same global batch: 2 x 2 x 2 -> 1 x 2 x 4 -> 2 x 2 x 2 (the
     # micro-batch stays, so that the evaluation's batches do too)
-    "03-2procs-accum1-on-1proc": Resume("03-accum1", 1, grad_accum_steps=2),
     "03-2procs-accum2-on-1proc": Resume("03-accum2", 1, grad_accum_steps=4, until=6),
     "03-1proc-accum4-on-2procs": Resume("03-accum2", 2, grad_accum_steps=2, until=9, after="03-2procs-accum2-on-1proc"),
 }
