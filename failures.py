@@ -8,10 +8,9 @@ import gc
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
 
-from data import UsageError
+from data.corpus import DamagedWindow, UsageError
 
 __all__ = ["UsageError", "TrainingError", "OutputError", "NothingToTrain", "Interrupted", "run"]
 
@@ -95,20 +94,13 @@ def reports_for_the_job():
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def _found_alone(err):
-    """Whether a usage error may be this process's alone: one raised while reading a window of the token shards
-    (a damaged shard), since each process of a job reads windows of its own."""
-    return any(frame.name == "__getitem__" and Path(frame.filename).parts[-2:] == ("data", "shards.py")
-               for frame in traceback.extract_tb(err.__traceback__))
-
-
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes")."""
     _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
     try:
         main()
     except UsageError as err:
-        if reports_for_the_job() or _found_alone(err):  # one line per launch, exit code 2 on every process
+        if reports_for_the_job() or isinstance(err, DamagedWindow):  # one line per launch; 2 on every process
             print(f"error: {err}", file=sys.stderr)
         for undo in _undo_on_usage_error:
             undo()

@@ -30,6 +30,11 @@ class UsageError(Exception):
     """A mistake in the command line or the input files: exit code 2, one line, no traceback."""
 
 
+class DamagedWindow(UsageError):
+    """A window of the token shards that cannot be trained on. Each process of a job reads windows of its own, so
+    this one, unlike other usage errors, may be found by one process alone: that process reports it."""
+
+
 def load_text(name_or_path, cache_dir=None):
     """Return the text of a named corpus or of a UTF-8 text file."""
     if name_or_path in CORPORA:

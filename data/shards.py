@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import UsageError, check_text_source
+from data.corpus import DamagedWindow, UsageError, check_text_source
 
 DESCRIPTION = "corpus.json"
 FORMAT = "fast-gpt2 token shards"
@@ -63,9 +63,9 @@ class TokenShards:
         window = np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
         if window.size and int(window.max()) >= self.vocab_size:
             bad = int(window.max())
-            raise UsageError(f"token id {bad} at or after position {start} of the {self.split} split is outside the "
-                             f"vocabulary of {self.vocab_size:,} ({self.paths[0].rsplit(os.sep, 2)[-2]}): the shards "
-                             "are damaged or of another tokenizer; prepare the corpus again")
+            raise DamagedWindow(f"token id {bad} at or after position {start} of the {self.split} split is outside the "
+                                f"vocabulary of {self.vocab_size:,} ({self.paths[0].rsplit(os.sep, 2)[-2]}): the "
+                                "shards are damaged or of another tokenizer; prepare the corpus again")
         if self.read_log:
             with open(self.read_log, "a", encoding="utf-8") as log:
                 log.write(f"{os.environ.get('RANK', '0')} {self.split} {start} {stop}\n")
