@@ -8,16 +8,15 @@ Step N is rung N of bench/ladder.py. For it this prints three things:
   with the lines of 00_orig.py it replaces and a little context, as a diff with both files' line numbers; steps 11
   and 12 are the lines tagged "NEW (DDP)" in 02_opt_multi_gpu_ddp.py and "NEW (FSDP)" in 03_opt_multi_gpu_fsdp.py,
   against the stage before;
-- what rung N takes from 00 and what from 01, from bench/rungs.py's own table (RUNG_PARTS);
+- what rung N takes from 00 and what from 01, from the table bench/rungs.py composes by (bench/rung_table.py);
 - the rung's measured row in every results folder that holds one (bench/results/*/rows/rung-NN.json).
 
-It imports no torch, so it answers at once: bench/rungs.py's tables are read from its source.
+It imports no torch, so it answers at once.
 
 Exit code 0; 2 with one line for a step that does not exist.
 """
 
 import argparse
-import ast
 import difflib
 import json
 import os
@@ -30,8 +29,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # cli, wherever the script is started from
 
 import cli  # noqa: E402  (imports no torch)
+from bench import rung_table  # noqa: E402  (neither)
 
-RUNGS_SOURCE = ROOT / "bench" / "rungs.py"
 RESULTS = ROOT / "bench" / "results"
 CONTEXT_LINES = 2  # lines shown around each changed block, as grep -C 2
 # The tag a multi-process rung's lines carry in its stage (steps 1-10 carry their number).
@@ -39,31 +38,11 @@ STAGE_TAGS = {11: "DDP", 12: "FSDP"}
 TAG = re.compile(r"#\s*NEW \(([^)]*)\)")
 
 
-# ---------------------------------------------------------------------------------------------
-# bench/rungs.py's tables, read from its source (importing it would import torch)
-# ---------------------------------------------------------------------------------------------
-
-def rungs_tables(path=RUNGS_SOURCE):
-    """The module-level constants of bench/rungs.py that are literals, or built of literals and constants above them
-    (MULTI_PROCESS_RUNGS = {11: STAGE_02, ...}), by name."""
-    known = {}
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            continue
-        value = _SubstituteNames(known).visit(node.value)
-        try:
-            known[node.targets[0].id] = ast.literal_eval(value)
-        except ValueError:  # a call or an expression: not a table
-            continue
-    return known
-
-
-class _SubstituteNames(ast.NodeTransformer):
-    def __init__(self, known):
-        self.known = known
-
-    def visit_Name(self, node):
-        return ast.Constant(self.known[node.id]) if node.id in self.known else node
+def rungs_tables():
+    """The ladder's table of rungs (bench/rung_table.py) by name: the stages, CHANGES, RUNG_PARTS,
+    MULTI_PROCESS_RUNGS."""
+    return {name: getattr(rung_table, name) for name in ("STAGE_00", "STAGE_01", "STAGE_02", "STAGE_03", "CHANGES",
+                                                          "RUNG_PARTS", "MULTI_PROCESS_RUNGS")}
 
 
 # ---------------------------------------------------------------------------------------------
