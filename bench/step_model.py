@@ -107,6 +107,10 @@ MOVES_ONLY = {"_to_copy", "copy_", "clone", "cat", "stack", "embedding", "zeros_
               "constant_pad_nd", "_foreach_copy_", "split_with_sizes_copy", "lift_fresh_copy", "tril", "triu",
               "arange"}  # copies and fills: bytes, no arithmetic
 SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"}
+# What bounds each op's floor, for bench/prediction.py's efficiencies: matmuls by the peak they run at, the
+# attention kernel, and memory traffic of eager kernels or of compiled runs of fused ops.
+BOUNDS = ("fp32 matmul", "tf32 matmul", "16-bit matmul", "flash", "attention traffic", "traffic", "fused traffic")
+MATMUL_PEAKS = {"fp32": "fp32", "tf32": "tf32", "bf16": "16-bit", "fp16": "16-bit"}
 RANDOM_MASKS = {"native_dropout": 1}  # output index of the random mask: saved, never recomputed, when compiled
 
 # CUDA autocast's policy (aten/src/ATen/autocast_mode.cpp, "CUDA" lists; PyTorch's own test lists in
@@ -682,14 +686,23 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
 
     classes = {work: {"flops": 0.0, "tensor_core_flops": 0.0, "bytes": 0.0, "compute_seconds": 0.0}
                for work in CLASSES}
+    bounds, launches, fused_before = dict.fromkeys(BOUNDS, 0.0), 0, None
     for index, op in enumerate(ops):
         entry = classes[op.work]
         entry["flops"] += op.flops
         entry["bytes"] += op_bytes[index]
-        if op.flops:
-            entry["compute_seconds"] += op.flops / gpu.peak(peak_of(op))
+        compute = op.flops / gpu.peak(peak_of(op)) if op.flops else 0.0
+        entry["compute_seconds"] += compute
         if op.matmul_dtype is not None:
             entry["tensor_core_flops"] += op.flops
+        fused = rung.compiled and op.phase in COMPILED_PHASES and op.name not in UNFUSIBLE
+        launches += not (fused and fused_before == op.phase)  # a compiled run of fused ops is one kernel
+        fused_before = op.phase if fused else None
+        memory = op_bytes[index] / gpu.bandwidth
+        if compute < memory or op.matmul_dtype is None:
+            bounds["fused traffic" if fused else "attention traffic" if op.work == "attention" else "traffic"] += memory
+        else:
+            bounds["flash" if op.name in FLASH_OPS else f"{MATMUL_PEAKS[peak_of(op)]} matmul"] += compute
     for entry in classes.values():
         entry["memory_seconds"] = entry["bytes"] / gpu.bandwidth
         entry["floor_seconds"] = max(entry["compute_seconds"], entry["memory_seconds"])
@@ -708,6 +721,7 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
         "bytes": sum(entry["bytes"] for entry in classes.values()),
         "floor_seconds": floor, "ceiling_tok_per_sec": tokens / floor, "classes": classes, "ops": len(ops),
         "parameters": sum(p.numel() for p in rung.model.parameters()), "bandwidth_gb_per_s": gpu.bandwidth_gb_per_s,
+        "bound_seconds": bounds, "launches": launches,
     }
 
 
@@ -724,14 +738,15 @@ def tutorial_reference(gpu, model, batch_size, context_length=None):
 
 
 def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, step=lambda row: row,
-                   context_length=None):
+                   context_length=None, counted_steps=None):
     """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before;
     `step` turns a rung's row into the step the table models (bench/roofline.py: accumulation, bench/scaling.py);
-    `context_length` replaces the stages' own for every rung (bench/roofline.py's --context-length)."""
+    `context_length` replaces the stages' own for every rung (bench/roofline.py's --context-length);
+    `counted_steps` (model_rung's) lets a second GPU's table reuse the steps a first one counted."""
     torch = _torch()
     started = time.perf_counter()
     reference = tutorial_reference(gpu, model, batch_size, context_length)
-    rows, counted_steps = [], {}
+    rows, counted_steps = [], {} if counted_steps is None else counted_steps
     for number in rung_numbers:
         row = step(model_rung(number, gpu, model=model, batch_size=batch_size, counted_steps=counted_steps,
                               context_length=context_length))
