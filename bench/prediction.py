@@ -61,12 +61,12 @@ def generation(name):
 
 
 def measured_ladders(gpu_name=None):
-    """{rung: (tok/s, folder)} of the committed ladders measured alike (the stages' batch, gpt2-small, no options) on
-    the GPU named (any GPU: {folder: {rung: tok/s}})."""
+    """({folder: {rung: tok/s}}, {folder: where and when}) of the committed ladders measured alike (the stages'
+    batch, gpt2-small, no options, one GPU) on the GPU named (None: any GPU)."""
     from bench.report import same_gpu
     from bench.rows import read_rows
 
-    found = {}
+    found, when = {}, {}
     for folder in sorted(RESULTS.iterdir()):
         for row in read_rows(folder, "ladder.json").values() if (folder / "rows").is_dir() else ():
             settings = row["context"]["settings"]
@@ -75,7 +75,10 @@ def measured_ladders(gpu_name=None):
                     settings.get("model") == "gpt2-small" and \
                     (gpu_name is None or same_gpu(gpu_name, row["context"]["device_name"])):
                 found.setdefault(folder.name, {})[row["rung"]] = row["tokens_per_sec"]
-    return found
+                context = row["context"]
+                when.setdefault(folder.name, set()).add(f"{context['device_name']}, PyTorch {context['torch']}, "
+                                                        f"{row['measured_at'][:10]}")
+    return found, {folder: "; ".join(sorted(days)) for folder, days in when.items()}
 
 
 def profiled_seconds(folder):
@@ -128,7 +131,8 @@ def fit(table, measured, profile):
         if (solution >= 0).all() and (best is None or residual < best[0]):
             best = (residual, solution)
     inverse = lowest + best[1]
-    return {"shares": {name: 1 / value for name, value in zip(SHARES, inverse)}, "gap_seconds": float(inverse[-1])}
+    return {"shares": {name: float(1 / value) for name, value in zip(SHARES, inverse)},
+            "gap_seconds": float(inverse[-1])}
 
 
 def predicted_seconds(row, fitted):
@@ -143,7 +147,7 @@ def fitted_for(gpu, counted_steps=None):
     fitted_gen = mine if mine in FITS else min(FITS, key=lambda gen: abs(ORDER.index(gen) - ORDER.index(mine))
                                                 if mine else 0)
     folder, fit_gpu = FITS[fitted_gen]
-    measured, profile = measured_ladders(fit_gpu)[folder], profiled_seconds(folder)
+    measured, profile = measured_ladders(fit_gpu)[0][folder], profiled_seconds(folder)
     table = build_roofline(find_gpu(fit_gpu), counted_steps=counted_steps)
     fitted = fit(table, measured, profile)
     how = (f"{mine} GPU, fitted on {mine}" if mine == fitted_gen else
@@ -196,8 +200,10 @@ def measured_beside(table):
     """{rung: (measured tok/s, where)} to hold the predictions against: this GPU's committed ladders, or on an A100
     the original tutorial's rungs 0-4 (the only ones that ran this repository's computation)."""
     found = {}
-    for folder, rungs in measured_ladders(table["gpu"]).items():
-        found.update({rung: (value, f"bench/results/{folder}") for rung, value in rungs.items()})
+    ladders, when = measured_ladders(table["gpu"])
+    for folder, rungs in ladders.items():
+        where = f"bench/results/{folder} ({when[folder]})"
+        found.update({rung: (value, where) for rung, value in rungs.items()})
     for row in table["rungs"]:
         if "tutorial_tok_per_sec" in row and row["rung"] in TUTORIAL_SAME_WORK and row["rung"] not in found:
             found[row["rung"]] = (row["tutorial_tok_per_sec"], "the original tutorial (A100, PyTorch 2.6)")

@@ -5,6 +5,7 @@
   python bench/roofline.py --gpu H100 --model gpt2-medium --batch-size 16 --out runs/roofline/h100-medium
   python bench/roofline.py --gpu H100 --batch-size 8 --grad-accum-steps 4    # each step as 4 micro-batches of 8
   python bench/roofline.py --gpu H100 --context-length 2048 --out /tmp/r    # windows of 2,048 tokens
+  python bench/roofline.py --gpu "RTX 4090" --predict   # and each rung's predicted tok/s (bench/prediction.py)
 
 For each single-GPU rung of the ladder (0 to 10, at full size and at each rung's own batch, precision and
 kernels, at the stages' context of 1,024 tokens or --context-length's) it counts what one training step does, forward, loss, backward and AdamW, in FLOPs and in bytes read
@@ -13,7 +14,9 @@ work (dropout, residual adds, casts, embedding lookups, gradient sums); the loss
 a floor time on the GPU, max(FLOPs / peak FLOP/s, bytes / memory bandwidth); the step's floor is their sum, and
 tokens per step over that floor is the rung's ceiling in tok/s. The peaks are utilization.PEAK_TFLOPS's (the dense
 figure of the precision each op runs in) and its memory bandwidth column. Written to --out: roofline.md (the
-tables), roofline.png (the chart) and roofline.json.
+tables), roofline.png (the chart) and roofline.json. With --predict each rung also gets the tok/s it is predicted
+to measure, from efficiencies fitted on a measured ladder of the nearest GPU generation (bench/prediction.py), and
+the tables set it beside the rungs measured on that GPU.
 
 How the step is counted, and what the model assumes and leaves out, is told in bench/step_model.py.
 
@@ -38,6 +41,8 @@ from data import files  # noqa: E402
 from bench.scaling import accumulated  # noqa: E402
 from bench.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402
                               build_roofline, find_gpu)
+from bench import prediction  # noqa: E402
+from bench.report import same_gpu  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # roofline.md, roofline.png
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +124,7 @@ def render_markdown(table):
         lines += ["", "The original tutorial's figures (one A100, PyTorch 2.6, its own code and corpus; rungs 0-7 its "
                   "average tok/s, rungs 8-10 its step tok/s at the end of epoch 1; from step 5 on it kept its weights "
                   "in bf16) are its measurements, not this repository's. Each must lie below the ceiling."]
+    lines += predicted_section(table)
     lines += ["", "## What each step removed", "",
               "Against the rung before, per step of that rung's size (step 10 changes the batch, so it is compared "
               "per token: its step of 4x the tokens counts as four of the smaller). A negative figure is work a "
@@ -155,6 +161,51 @@ def render_markdown(table):
               "measured step slower; it counts all traffic at HBM bandwidth, though a small tensor that stays in the "
               "L2 cache between two eager kernels costs less.", ""]
     return "\n".join(lines)
+
+
+def prediction_words(table):
+    """How the predictions were made, in a sentence."""
+    fitted = table["prediction"]
+    shares = ", ".join(f"{name} {100 * share:.0f}% {of}" for (name, share), of in
+                       zip(fitted["shares"].items(), prediction.OF_WHAT))
+    return (f"the floor of each kind of work divided by its efficiency, plus {1e6 * fitted['gap_seconds']:.1f} us per "
+            f"kernel launched: {shares}; fitted on {'; '.join(table['fitted_on'])} ({fitted['how']}); this GPU's "
+            "data-sheet peaks and bandwidth set the floors.")
+
+
+def predicted_section(table):
+    """roofline.md's predictions, beside what was measured on this GPU where a ladder (or the tutorial) did."""
+    if "prediction" not in table:
+        return []
+    measured = prediction.measured_beside(table)
+    found, median, worst = prediction.errors(table)
+    fit_gpu = prediction.FITS[next(iter(prediction.FITS))][1]
+    ladder = any(where.startswith("bench/results") for _, where in measured.values())
+    lines = ["", "## Predicted tok/s", "", f"A prediction, not a measurement: {prediction_words(table)} "
+             "Rungs 11 and 12 on one GPU do rung 10's step under 02's and 03's code. See bench/prediction.py.", "",
+             "| rung | change | ceiling tok/s | predicted tok/s | measured tok/s | predicted / measured - 1 |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for row in table["rungs"] + table.get("predicted_one_gpu_rungs", []):
+        value, _ = measured.get(row["rung"], (None, None))
+        ceiling = f"{row['ceiling_tok_per_sec']:,.0f}" if "ceiling_tok_per_sec" in row else "—"
+        lines.append(f"| {row['rung']} | {row['change']} | {ceiling} | {row['predicted_tok_per_sec']:,.0f} | "
+                     + (f"{value:,.0f} | {100 * found[row['rung']]:+.1f}% |" if value else
+                        "not measured yet | |" if ladder else "— | |"))
+    if found:
+        sources = "; ".join(sorted({where for _, where in measured.values()}))
+        fitted_here = same_gpu(table["gpu"], fit_gpu)
+        lines += ["", f"Measured: {sources}. Error per rung, median {100 * median:.1f}%, worst {100 * worst:.1f}%"
+                  + (" (residuals of the fit: these rungs are what it was fitted on)." if fitted_here else
+                     ": rungs the fit never saw.")]
+    if not ladder and found:
+        lines += ["", "Only the original tutorial's rungs 0-4 are compared: they ran 00's code at batch 8 in float32 "
+                  "and TF32, the computation of rungs 0-4 here; from step 5 on it kept its weights in bf16 and took "
+                  "its own steps, another computation."]
+    check = table["prediction"]["profile_check"]
+    lines += ["", f"The fit beside the {fit_gpu}'s profile of rung 10, GPU ms per step, fitted / profiled: " + "; ".join(
+        f"{work} {1e3 * fitted:.2f} / {1e3 * profiled:.2f} ({100 * (fitted / profiled - 1):+.0f}%)"
+        for work, (fitted, profiled) in check.items()) + " (memory: every class but matmuls and attention)."]
+    return lines
 
 
 def render_chart(table, path):
@@ -237,6 +288,8 @@ def build_parser():
                         help="sequences per step for every rung (default: each rung's own, 8 and 32 for rung 10)")
     parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), default=1, metavar="N",
                         help="each step as N micro-batches of the batch: AdamW once per N (default: 1)")
+    parser.add_argument("--predict", action="store_true",
+                        help="also each rung's predicted tok/s, from efficiencies fitted on a measured ladder")
     parser.add_argument("--context-length", type=cli.whole_number(1), metavar="N",
                         help="tokens per sequence for every rung; the model's position embedding is built for it "
                              "(default: the stages' own, 1,024)")
@@ -244,19 +297,29 @@ def build_parser():
 
 
 def main():
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.predict and args.grad_accum_steps != 1:
+        parser.error("--predict models the ladder's steps, one micro-batch each: leave out --grad-accum-steps")
     gpu = find_gpu(args.gpu)  # an unknown GPU fails here, before anything is built
     out = checkpoints.claim_out_dir(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
-    started = time.perf_counter()
+    started, counted = time.perf_counter(), {}
     table = build_roofline(gpu, model=args.model, batch_size=args.batch_size, context_length=args.context_length,
-                           step=lambda row: accumulated(row, args.grad_accum_steps))
+                           step=lambda row: accumulated(row, args.grad_accum_steps), counted_steps=counted)
     table["grad_accum_steps"] = args.grad_accum_steps
+    if args.predict:
+        prediction.add_predictions(table, prediction.fitted_for(gpu, counted))
     write_outputs(table, out)
     print(f"{table['gpu']}: {table['model']}, context {table['context_length']:,} tokens, "
           + (f"batch {args.batch_size} for every rung" if args.batch_size else "each rung's own batch"))
-    for row in table["rungs"]:
-        print(f"rung {row['rung']:2d} {row['change']:<44} floor {_ms(row['floor_seconds']):>8} ms, ceiling "
-              f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s")
+    predicted = prediction.predictions(table)
+    for row in table["rungs"] + table.get("predicted_one_gpu_rungs", []):
+        print(f"rung {row['rung']:2d} {row['change']:<44} " + (
+            f"floor {_ms(row['floor_seconds']):>8} ms, ceiling {row['ceiling_tok_per_sec']:>9,.0f} tok/s, "
+            if "floor_seconds" in row else f"{'':<44}") + (f"predicted {predicted[row['rung']]:>9,.0f} tok/s"
+                                                            if predicted else ""))
+    if predicted:
+        print("Predicted: " + prediction_words(table))
     print(f"Wrote {out}/roofline.md, roofline.png and roofline.json in {time.perf_counter() - started:.1f} s")
 
 
