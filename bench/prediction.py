@@ -28,6 +28,7 @@ import itertools
 import re
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,23 +241,22 @@ def readme_tables():
 
 
 def readme_table(tables):
+    """The README's table: per GPU, each step's predicted gain over the step before, and stage 01's tok/s."""
     held_out = tables["H100"]
     _, median, worst = errors(held_out)
-    lines = ["| step | " + " | ".join(tables) + " |", "| --- |" + " ---: |" * len(tables)]
-    predicted = {name: predictions(table) for name, table in tables.items()}
-    for number in range(1, 11):
-        change = next(row["change"] for row in held_out["rungs"] if row["rung"] == number)
-        lines.append(f"| {number}: {change.split(':')[0]} | " + " | ".join(
-            f"{found[number] / found[number - 1]:.2f}x" for found in predicted.values()) + " |")
-    lines.append("| stage 01, tok/s | " + " | ".join(f"{found[10]:,.0f}" for found in predicted.values()) + " |")
-    fitted = held_out["prediction"]
-    lines += ["", f"Predicted, not measured: each step's predicted gain over the step before, and stage 01's "
-              f"predicted tok/s (rung 10), at the rungs' own batch (`python bench/prediction.py --write`). Fitted on "
-              f"{fitted_gpu_words(held_out)}; on the H100, which the fit never saw, the error per measured rung has a "
-              f"median of {100 * median:.0f}% and a worst of {100 * worst:.0f}% "
-              "([docs/roofline/H100](docs/roofline/H100/roofline.md)). Other generations than Hopper are an "
-              "extrapolation; T4 and V100 run fp16 with a gradient scaler; A10 is the peak table's A10 row (a name "
-              "like \"A10G\" does not match it)."]
+    lines = ["| GPU | " + " | ".join(f"step {number}" for number in range(1, 11)) + " | stage 01, tok/s |",
+             "| --- |" + " ---: |" * 11]
+    for name, table in tables.items():
+        found = predictions(table)
+        lines.append(f"| {name} | " + " | ".join(f"{found[number] / found[number - 1]:.2f}x" for number in
+                                                range(1, 11)) + f" | {found[10]:,.0f} |")
+    lines += [""] + textwrap.wrap(
+        "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
+        f"and six efficiencies fitted on {fitted_gpu_words(held_out)}; on the H100, unseen by the fit, the error per "
+        f"measured rung is {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other generations: an "
+        "extrapolation; T4, V100: fp16; A10: the peak table's row (\"A10G\" does not match it). [Memory, smaller "
+        "batches, the method](docs/roofline.md#predictions-for-your-gpu).",
+        width=115, break_on_hyphens=False)
     return "\n".join(lines)
 
 
