@@ -54,6 +54,8 @@ OF_WHAT = ("of the fp32 peak", "of the peak of their precision", "of the 16-bit 
 ONE_GPU_RUNGS = {11: "DDP on one GPU", 12: "FSDP2 on one GPU"}  # rung 10's step, under 02's and 03's code
 README_GPUS = ("RTX 3090", "RTX 4090", "A10", "L4", "T4", "V100", "A100", "H100", "H200")
 README_BLOCK = ("<!-- predictions: bench/prediction.py writes this table -->", "<!-- /predictions -->")
+PAGE_BLOCK = ("<!-- the fit: bench/prediction.py writes these tables -->", "<!-- /the fit -->")
+PAGE = ROOT / "docs" / "roofline.md"
 TUTORIAL_SAME_WORK = range(0, 5)  # its rungs 0-4 ran 00's code at batch 8 as rungs 0-4 do; from 5 on it differs
 
 
@@ -260,6 +262,24 @@ def readme_table(tables):
     return "\n".join(lines)
 
 
+def page_block(tables):
+    """docs/roofline.md's block: the fitted shares, the errors on each GPU with measurements, the profile's check."""
+    fitted = tables["H100"]["prediction"]
+    lines = ["| kind of work | fitted share |", "| --- | ---: |"]
+    lines += [f"| {name} | {100 * share:.0f}% {of} |" for (name, share), of in zip(fitted["shares"].items(), OF_WHAT)]
+    lines += [f"| every kernel launched | {1e6 * fitted['gap_seconds']:.1f} us of gap |", "",
+              "| GPU | compared with | median error | worst | error per rung |", "| --- | --- | ---: | ---: | --- |"]
+    for name, what in (("H200", "its own ladder: the fit's residuals"), ("H100", "its ladder, never seen by the fit"),
+                       ("A100", "the original tutorial's rungs 0-4, an extrapolation")):
+        found, median, worst = errors(tables[name])
+        lines.append(f"| {name} | {what} | {100 * median:.1f}% | {100 * worst:.1f}% | " + ", ".join(
+            f"{rung}: {100 * error:+.1f}%" for rung, error in found.items()) + " |")
+    lines += ["", "Rung 10 against the H200's profile, GPU ms per step, fitted / profiled: " + "; ".join(
+        f"{work} {1e3 * mine:.2f} / {1e3 * profiled:.2f} ({100 * (mine / profiled - 1):+.0f}%)"
+        for work, (mine, profiled) in fitted["profile_check"].items()) + " (memory: the four memory-bound classes)."]
+    return "\n".join(lines)
+
+
 def fitted_gpu_words(table):
     return "the H200's ladder and profile" if "nvidia-h200" in table["fitted_on"][0] else table["fitted_on"][0]
 
@@ -269,21 +289,25 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write", action="store_true", help="render the README's table of predictions")
-    action.add_argument("--check", action="store_true", help="change nothing: exit 1 where the README differs")
+    action.add_argument("--write", action="store_true", help="render the README's and docs/roofline.md's tables")
+    action.add_argument("--check", action="store_true", help="change nothing: exit 1 where a page differs")
     parser.add_argument("--readme", default=str(ROOT / "README.md"), help=argparse.SUPPRESS)
+    parser.add_argument("--page", default=str(PAGE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    path = Path(args.readme)
-    text = path.read_text(encoding="utf-8")
-    table = readme_table(readme_tables())
-    if args.check:
-        if block(text, README_BLOCK) != table:
-            print(f"{path}: the table of predictions differs from the model's: run python bench/prediction.py "
-                  "--write", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(_with_block(text, README_BLOCK, table), encoding="utf-8")
-    print(f"Wrote the table of predictions into {path}")
+    tables = readme_tables()
+    stale = []
+    for path, markers, rendered in ((Path(args.readme), README_BLOCK, readme_table(tables)),
+                                    (Path(args.page), PAGE_BLOCK, page_block(tables))):
+        text = path.read_text(encoding="utf-8")
+        if args.check and block(text, markers) != rendered:
+            stale.append(str(path))
+        elif args.write:
+            path.write_text(_with_block(text, markers, rendered), encoding="utf-8")
+            print(f"Wrote the predictions into {path}")
+    if stale:
+        print(f"{', '.join(stale)}: the predictions differ from the model's: run python bench/prediction.py --write",
+              file=sys.stderr)
+        return 1
     return 0
 
 

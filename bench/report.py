@@ -175,14 +175,18 @@ def same_gpu(roofline_gpu, device_name):
 
 
 def read_roofline(path):
-    """{'path', 'gpu', 'modelled', 'ceilings': {rung: tok/s}} from a roofline.json; ValueError when it is not one.
-    `modelled` holds the model and batch it was modelled at, where the file says."""
+    """{'path', 'gpu', 'modelled', 'ceilings': {rung: tok/s}, 'predictions': {rung: tok/s}, 'fitted_on'} from a
+    roofline.json; ValueError when it is not one. `modelled` holds the model and batch it was modelled at, where the
+    file says; the predictions are bench/roofline.py --predict's, where it made them."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         ceilings = {int(entry["rung"]): float(entry["ceiling_tok_per_sec"]) for entry in data["rungs"]
                     if entry.get("ceiling_tok_per_sec") is not None}
         modelled = {key: data[key] for key in ("model", "batch_size") if key in data}
-        return {"path": str(path), "gpu": str(data["gpu"]), "modelled": modelled, "ceilings": ceilings}
+        predictions = {int(entry["rung"]): float(entry["predicted_tok_per_sec"]) for entry in
+                       data["rungs"] + data.get("predicted_one_gpu_rungs", []) if "predicted_tok_per_sec" in entry}
+        return {"path": str(path), "gpu": str(data["gpu"]), "modelled": modelled, "ceilings": ceilings,
+                "predictions": predictions, "fitted_on": "; ".join(data.get("fitted_on", []))}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path} is not a roofline.json of bench/roofline.py ({type(err).__name__}: {err})") from None
 
@@ -253,8 +257,11 @@ def attach_ceilings(report, roofline):
     """Each row's ceiling and measured / ceiling, or no such keys at all without a roofline."""
     if roofline is None:
         return
-    report["roofline"] = {"path": repository_path(roofline["path"]), "gpu": roofline["gpu"]}
+    report["roofline"] = {"path": repository_path(roofline["path"]), "gpu": roofline["gpu"],
+                          "fitted_on": roofline.get("fitted_on")}
     for row in report["rungs"]:
+        if roofline.get("predictions"):
+            row["predicted_tok_per_sec"] = roofline["predictions"].get(row["rung"])
         ceiling = roofline["ceilings"].get(row["rung"])
         row["ceiling_tok_per_sec"] = ceiling
         row["fraction_of_ceiling"] = row["tokens_per_sec"] / ceiling if ceiling and row["tokens_per_sec"] else None
@@ -313,6 +320,7 @@ def render_markdown(report):
     tiny = settings["tiny"]
     rows = report["rungs"]
     ceilings = report.get("roofline")
+    predicted = bool(ceilings and ceilings.get("fitted_on"))
     lines = [
         f"# Benchmark ladder: {report['device_name']}" + (" (--tiny)" if tiny else ""),
         "",
@@ -333,8 +341,10 @@ def render_markdown(report):
         "",
         "| rung | change | tok/s (median) | min – max | × row above | × rung 0 | MFU | peak alloc. GiB "
         "| peak reserved GiB (warm-up's) | final loss | " + ("measured / ceiling | " if ceilings else "")
+        + ("predicted tok/s (measured / predicted) | " if predicted else "")
         + "reference tok/s | reference reserved GiB | measured (UTC) | notes |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if ceilings else "")
+        + ("---: | " if predicted else "")
         + "---: | ---: | --- | --- |",
     ]
     for row in rows:
@@ -357,6 +367,10 @@ def render_markdown(report):
             ceiling, fraction = row.get("ceiling_tok_per_sec"), row.get("fraction_of_ceiling")
             cells.append("—" if ceiling is None else
                          f"{'—' if fraction is None else f'{100 * fraction:.0f}%'} of {ceiling:,.0f}")
+        if predicted:
+            forecast, measured = row.get("predicted_tok_per_sec"), row["tokens_per_sec"]
+            cells.append("—" if forecast is None else f"{forecast:,.0f}" + (
+                f" ({100 * (measured / forecast - 1):+.0f}%)" if measured else ""))
         cells += [*reference_cells(row, settings), (row.get("measured_at") or "—")[:16],
                   "; ".join(notes).replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -375,7 +389,11 @@ def render_markdown(report):
     ]
     if ceilings:
         lines += [f"Measured / ceiling: the rung's median tok/s over the ceiling that bench/roofline.py modelled "
-                  f"for it on the {ceilings['gpu']} (`{ceilings['path']}`).", ""]
+                  f"for it on the {ceilings['gpu']} (`{ceilings['path']}`)." + (
+                      " Predicted: the tok/s that bench/roofline.py --predict predicts for the rung there, a model "
+                      f"and not a measurement, from efficiencies fitted on {ceilings['fitted_on']}; in brackets the "
+                      "measured rung's departure from it, which a profile (--profile) explains class by class."
+                      if predicted else ""), ""]
     not_comparable = ("for the full-size model, so not comparable with a --tiny run" if tiny else
                       f"for gpt2-small, so not comparable with {settings['model']}"
                       if settings.get("model", "gpt2-small") != "gpt2-small" else "")

@@ -44,7 +44,8 @@ def test_the_readme_is_a_lesson_of_at_most_350_lines_in_a_learners_order():
     assert len(README.splitlines()) <= 350, len(README.splitlines())
     titles = headings()
     order = ["Results at a glance", "Quick start", "The stages", "The ten steps", "Measuring right on a GPU",
-             "Why it pays", "Stage 02", "Stage 03", "Gradient accumulation", "Try it yourself", "Where to go next"]
+             "Why it pays", "Stage 02", "Stage 03", "Gradient accumulation", "What to expect on your GPU",
+             "Try it yourself", "Where to go next"]
     positions = [next(i for i, title in enumerate(titles) if title.startswith(name)) for name in order]
     assert positions == sorted(positions), titles
 
