@@ -414,3 +414,23 @@ def test_the_readmes_table_of_predictions_is_the_models(readme_gpus, tmp_path, m
     stale.write_text(readme.replace("| H200 | ", "| H200 | 9", 1), encoding="utf-8")
     assert prediction.main(["--check", "--readme", str(stale)]) == 1
     assert prediction.main(["--check"]) == 0
+
+
+def test_the_ladders_report_sets_each_prediction_beside_its_measured_rung(tmp_path):
+    """A shipped roofline with predictions: the ladder's table gains a column with each rung's prediction and the
+    measured rung's departure from it, and says what the predictions were fitted on."""
+    from bench import report
+    from test_ladder import synthetic_gpu_report
+
+    roofline = {"gpu": "H100", "model": "gpt2-small", "batch_size": None, "fitted_on": ["the X's ladder"],
+                "rungs": [{"rung": 0, "ceiling_tok_per_sec": 24_000.0, "predicted_tok_per_sec": 10_000.0},
+                          {"rung": 3, "ceiling_tok_per_sec": 90_000.0, "predicted_tok_per_sec": 30_000.0}]}
+    (tmp_path / "roofline.json").write_text(json.dumps(roofline))
+    merged = synthetic_gpu_report()
+    merged["device_name"] = "NVIDIA H100 80GB HBM3"
+    found = report.find_roofline(tmp_path, None, merged["device_name"], merged["settings"])
+    markdown = report.write_report(merged, tmp_path, found, chart=False)
+    assert "| predicted tok/s (measured / predicted) |" in markdown
+    assert "| 50% of 24,000 | 10,000 (+20%) |" in markdown and "| 30% of 90,000 | 30,000 (-10%) |" in markdown
+    assert "fitted on the X's ladder" in markdown
+    assert json.loads((tmp_path / "ladder.json").read_text())["rungs"][0]["predicted_tok_per_sec"] == 10_000.0
