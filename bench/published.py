@@ -2,11 +2,10 @@
 
   python bench/published.py     # docs/roofline.md's table, in markdown, to stdout (about 10 s of CPU)
 
-Until this repository measures its own GPU numbers, these show that the roofline describes reality: every ceiling
-must lie above what others measured doing the same work on the same GPU at the same batch (the test suite checks
-it; a ceiling below a measurement means the model is wrong). Each row names the rung that does the work closest to
-what was measured, and what the comparison glosses over. Figures are tok/s per GPU at a sequence length of 1,024,
-derived from the published step times (tokens per step / seconds per step / GPUs).
+Beside this repository's own ladders, these show that the roofline describes reality: every ceiling must lie above
+what others measured doing the same work on the same GPU and batch (the suite checks it). Each row names the rung
+doing the closest work, and what the comparison glosses over. Figures: tok/s per GPU at a sequence length of 1,024,
+from the published step times (tokens per step / seconds per step / GPUs).
 """
 
 import argparse

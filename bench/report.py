@@ -175,9 +175,8 @@ def same_gpu(roofline_gpu, device_name):
 
 
 def read_roofline(path):
-    """{'path', 'gpu', 'modelled', 'ceilings': {rung: tok/s}, 'predictions': {rung: tok/s}, 'fitted_on'} from a
-    roofline.json; ValueError when it is not one. `modelled` holds the model and batch it was modelled at, where the
-    file says; the predictions are bench/roofline.py --predict's, where it made them."""
+    """{'path', 'gpu', 'modelled', 'ceilings'/'predictions': {rung: tok/s}, 'fitted_on'} from a roofline.json;
+    ValueError when it is not one. `modelled` holds the model and batch it was modelled at, where the file says."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         ceilings = {int(entry["rung"]): float(entry["ceiling_tok_per_sec"]) for entry in data["rungs"]
@@ -260,8 +259,7 @@ def attach_ceilings(report, roofline):
     report["roofline"] = {"path": repository_path(roofline["path"]), "gpu": roofline["gpu"],
                           "fitted_on": roofline.get("fitted_on")}
     for row in report["rungs"]:
-        if roofline.get("predictions"):
-            row["predicted_tok_per_sec"] = roofline["predictions"].get(row["rung"])
+        row["predicted_tok_per_sec"] = roofline.get("predictions", {}).get(row["rung"])
         ceiling = roofline["ceilings"].get(row["rung"])
         row["ceiling_tok_per_sec"] = ceiling
         row["fraction_of_ceiling"] = row["tokens_per_sec"] / ceiling if ceiling and row["tokens_per_sec"] else None
@@ -390,9 +388,8 @@ def render_markdown(report):
     if ceilings:
         lines += [f"Measured / ceiling: the rung's median tok/s over the ceiling that bench/roofline.py modelled "
                   f"for it on the {ceilings['gpu']} (`{ceilings['path']}`)." + (
-                      " Predicted: the tok/s that bench/roofline.py --predict predicts for the rung there, a model "
-                      f"and not a measurement, from efficiencies fitted on {ceilings['fitted_on']}; in brackets the "
-                      "measured rung's departure from it, which a profile (--profile) explains class by class."
+                      " Predicted: its bench/roofline.py --predict, a model fitted on " + ceilings["fitted_on"] +
+                      "; in brackets the measured rung's departure from it (a --profile shows which class departs)."
                       if predicted else ""), ""]
     not_comparable = ("for the full-size model, so not comparable with a --tiny run" if tiny else
                       f"for gpt2-small, so not comparable with {settings['model']}"

@@ -14,9 +14,7 @@ work (dropout, residual adds, casts, embedding lookups, gradient sums); the loss
 a floor time on the GPU, max(FLOPs / peak FLOP/s, bytes / memory bandwidth); the step's floor is their sum, and
 tokens per step over that floor is the rung's ceiling in tok/s. The peaks are utilization.PEAK_TFLOPS's (the dense
 figure of the precision each op runs in) and its memory bandwidth column. Written to --out: roofline.md (the
-tables), roofline.png (the chart) and roofline.json. With --predict each rung also gets the tok/s it is predicted
-to measure, from efficiencies fitted on a measured ladder of the nearest GPU generation (bench/prediction.py), and
-the tables set it beside the rungs measured on that GPU.
+tables), roofline.png (the chart) and roofline.json; --predict adds each rung's predicted tok/s (bench/prediction.py).
 
 How the step is counted, and what the model assumes and leaves out, is told in bench/step_model.py.
 
@@ -42,7 +40,6 @@ from bench.scaling import accumulated  # noqa: E402
 from bench.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402
                               build_roofline, find_gpu)
 from bench import prediction  # noqa: E402
-from bench.report import same_gpu  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # roofline.md, roofline.png
 # ---------------------------------------------------------------------------------------------
@@ -164,48 +161,36 @@ def render_markdown(table):
 
 
 def prediction_words(table):
-    """How the predictions were made, in a sentence."""
+    """How the predictions were made, in a few sentences."""
     fitted = table["prediction"]
-    shares = ", ".join(f"{name} {100 * share:.0f}% {of}" for (name, share), of in
-                       zip(fitted["shares"].items(), prediction.OF_WHAT))
-    return (f"the floor of each kind of work divided by its efficiency, plus {1e6 * fitted['gap_seconds']:.1f} us per "
-            f"kernel launched: {shares}; fitted on {'; '.join(table['fitted_on'])} ({fitted['how']}); this GPU's "
-            "data-sheet peaks and bandwidth set the floors.")
+    return (f"each kind of work's floor over its share of the data sheet, plus {1e6 * fitted['gap_seconds']:.1f} us "
+            "per kernel launched: " + ", ".join(f"{name} {100 * share:.0f}% {prediction.SHARES[name]}" for name, share
+                                               in fitted["shares"].items()) + f"; fitted on {table['fitted_on'][0]} "
+            f"({fitted['how']}). Rung 10 on the fitted GPU, ms per step, fitted / profiled: " + "; ".join(
+                f"{work} {1e3 * mine:.2f} / {1e3 * profiled:.2f}" for work, (mine, profiled) in
+                fitted["profile_check"].items()) + " (memory: the four memory-bound classes).")
 
 
 def predicted_section(table):
     """roofline.md's predictions, beside what was measured on this GPU where a ladder (or the tutorial) did."""
     if "prediction" not in table:
         return []
-    measured = prediction.measured_beside(table)
-    found, median, worst = prediction.errors(table)
-    fit_gpu = prediction.FITS[next(iter(prediction.FITS))][1]
+    measured, (found, median, worst) = prediction.measured_beside(table), prediction.errors(table)
     ladder = any(where.startswith("bench/results") for _, where in measured.values())
-    lines = ["", "## Predicted tok/s", "", f"A prediction, not a measurement: {prediction_words(table)} "
-             "Rungs 11 and 12 on one GPU do rung 10's step under 02's and 03's code. See bench/prediction.py.", "",
+    lines = ["", "## Predicted tok/s", "", f"A prediction, not a measurement: {prediction_words(table)} Rungs 11 and "
+             "12 on one GPU do rung 10's step under 02's and 03's code.", "",
              "| rung | change | ceiling tok/s | predicted tok/s | measured tok/s | predicted / measured - 1 |",
              "| ---: | --- | ---: | ---: | ---: | ---: |"]
-    for row in table["rungs"] + table.get("predicted_one_gpu_rungs", []):
-        value, _ = measured.get(row["rung"], (None, None))
-        ceiling = f"{row['ceiling_tok_per_sec']:,.0f}" if "ceiling_tok_per_sec" in row else "—"
-        lines.append(f"| {row['rung']} | {row['change']} | {ceiling} | {row['predicted_tok_per_sec']:,.0f} | "
-                     + (f"{value:,.0f} | {100 * found[row['rung']]:+.1f}% |" if value else
-                        "not measured yet | |" if ladder else "— | |"))
-    if found:
-        sources = "; ".join(sorted({where for _, where in measured.values()}))
-        fitted_here = same_gpu(table["gpu"], fit_gpu)
-        lines += ["", f"Measured: {sources}. Error per rung, median {100 * median:.1f}%, worst {100 * worst:.1f}%"
-                  + (" (residuals of the fit: these rungs are what it was fitted on)." if fitted_here else
-                     ": rungs the fit never saw.")]
-    if not ladder and found:
-        lines += ["", "Only the original tutorial's rungs 0-4 are compared: they ran 00's code at batch 8 in float32 "
-                  "and TF32, the computation of rungs 0-4 here; from step 5 on it kept its weights in bf16 and took "
-                  "its own steps, another computation."]
-    check = table["prediction"]["profile_check"]
-    lines += ["", f"The fit beside the {fit_gpu}'s profile of rung 10, GPU ms per step, fitted / profiled: " + "; ".join(
-        f"{work} {1e3 * fitted:.2f} / {1e3 * profiled:.2f} ({100 * (fitted / profiled - 1):+.0f}%)"
-        for work, (fitted, profiled) in check.items()) + " (memory: every class but matmuls and attention)."]
-    return lines
+    for row in table["rungs"] + table["predicted_one_gpu_rungs"]:
+        value, ceiling = measured.get(row["rung"], (None,))[0], row.get("ceiling_tok_per_sec")
+        lines.append(f"| {row['rung']} | {row['change']} | {'—' if ceiling is None else f'{ceiling:,.0f}'} | "
+                     f"{row['predicted_tok_per_sec']:,.0f} | " + (f"{value:,.0f} | {100 * found[row['rung']]:+.1f}% |"
+                                                                  if value else f"{'not measured yet' * ladder} | |"))
+    fitted_here = any(where.split(" (")[0] + ":" in table["fitted_on"][0] for _, where in measured.values())
+    return lines + ["", f"Measured: {'; '.join(sorted({where for _, where in measured.values()}))}. Error per rung, "
+                    f"median {100 * median:.1f}%, worst {100 * worst:.1f}%: " + (
+                        "the fit's residuals, on the rungs it was fitted on." if fitted_here else
+                        "rungs the fit never saw.")] if found else lines
 
 
 def render_chart(table, path):
@@ -312,13 +297,11 @@ def main():
     write_outputs(table, out)
     print(f"{table['gpu']}: {table['model']}, context {table['context_length']:,} tokens, "
           + (f"batch {args.batch_size} for every rung" if args.batch_size else "each rung's own batch"))
-    predicted = prediction.predictions(table)
     for row in table["rungs"] + table.get("predicted_one_gpu_rungs", []):
-        print(f"rung {row['rung']:2d} {row['change']:<44} " + (
-            f"floor {_ms(row['floor_seconds']):>8} ms, ceiling {row['ceiling_tok_per_sec']:>9,.0f} tok/s, "
-            if "floor_seconds" in row else f"{'':<44}") + (f"predicted {predicted[row['rung']]:>9,.0f} tok/s"
-                                                            if predicted else ""))
-    if predicted:
+        print(f"rung {row['rung']:2d} {row['change']:<44} " + (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling "
+              f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s" if "floor_seconds" in row else " " * 42) + (
+              f", predicted {row['predicted_tok_per_sec']:>9,.0f} tok/s" if args.predict else ""))
+    if args.predict:
         print("Predicted: " + prediction_words(table))
     print(f"Wrote {out}/roofline.md, roofline.png and roofline.json in {time.perf_counter() - started:.1f} s")
 

@@ -107,10 +107,8 @@ MOVES_ONLY = {"_to_copy", "copy_", "clone", "cat", "stack", "embedding", "zeros_
               "constant_pad_nd", "_foreach_copy_", "split_with_sizes_copy", "lift_fresh_copy", "tril", "triu",
               "arange"}  # copies and fills: bytes, no arithmetic
 SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"}
-# What bounds each op's floor, for bench/prediction.py's efficiencies: matmuls by the peak they run at, the
-# attention kernel, and memory traffic of eager kernels or of compiled runs of fused ops.
-BOUNDS = ("fp32 matmul", "tf32 matmul", "16-bit matmul", "flash", "attention traffic", "traffic", "fused traffic")
-MATMUL_PEAKS = {"fp32": "fp32", "tf32": "tf32", "bf16": "16-bit", "fp16": "16-bit"}
+# What bounds an op's floor (bench/prediction.py): matmuls at their peak, FlashAttention, eager or fused traffic.
+BOUNDS = ("fp32 matmul", "tf32 matmul", "bf16 matmul", "fp16 matmul", "flash", "traffic", "fused traffic")
 RANDOM_MASKS = {"native_dropout": 1}  # output index of the random mask: saved, never recomputed, when compiled
 
 # CUDA autocast's policy (aten/src/ATen/autocast_mode.cpp, "CUDA" lists; PyTorch's own test lists in
@@ -700,9 +698,9 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
         fused_before = op.phase if fused else None
         memory = op_bytes[index] / gpu.bandwidth
         if compute < memory or op.matmul_dtype is None:
-            bounds["fused traffic" if fused else "attention traffic" if op.work == "attention" else "traffic"] += memory
+            bounds["fused traffic" if fused else "traffic"] += memory
         else:
-            bounds["flash" if op.name in FLASH_OPS else f"{MATMUL_PEAKS[peak_of(op)]} matmul"] += compute
+            bounds["flash" if op.name in FLASH_OPS else f"{peak_of(op)} matmul"] += compute
     for entry in classes.values():
         entry["memory_seconds"] = entry["bytes"] / gpu.bandwidth
         entry["floor_seconds"] = max(entry["compute_seconds"], entry["memory_seconds"])
@@ -742,7 +740,7 @@ def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELL
     """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before;
     `step` turns a rung's row into the step the table models (bench/roofline.py: accumulation, bench/scaling.py);
     `context_length` replaces the stages' own for every rung (bench/roofline.py's --context-length);
-    `counted_steps` (model_rung's) lets a second GPU's table reuse the steps a first one counted."""
+    `counted_steps` (model_rung's) lets another GPU's table reuse the steps counted."""
     torch = _torch()
     started = time.perf_counter()
     reference = tutorial_reference(gpu, model, batch_size, context_length)

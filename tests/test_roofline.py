@@ -401,19 +401,20 @@ def readme_gpus():
 def test_the_readmes_table_of_predictions_is_the_models(readme_gpus, tmp_path, monkeypatch):
     from bench.readme_tables import block
 
-    readme, page = (ROOT / "README.md").read_text(encoding="utf-8"), prediction.PAGE.read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert block(readme, prediction.README_BLOCK) == prediction.readme_table(readme_gpus)
-    assert block(page, prediction.PAGE_BLOCK) == prediction.page_block(readme_gpus)
     for name, table in readme_gpus.items():
         found = prediction.predictions(table)
         assert all(found[rung] < table["rungs"][rung]["ceiling_tok_per_sec"] for rung in range(11)), name
     assert "Predicted, not measured" in block(readme, prediction.README_BLOCK)
     # a table typed over by hand, or left behind by the model, is found by --check
     monkeypatch.setattr(prediction, "readme_tables", lambda: readme_gpus)
+    assert prediction.main(["--check"]) == 0
     stale = tmp_path / "README.md"
     stale.write_text(readme.replace("| H200 | ", "| H200 | 9", 1), encoding="utf-8")
-    assert prediction.main(["--check", "--readme", str(stale)]) == 1
-    assert prediction.main(["--check"]) == 0
+    monkeypatch.setattr(prediction, "README", stale)
+    assert prediction.main(["--check"]) == 1
+    assert prediction.main([]) == 0 and stale.read_text(encoding="utf-8") == readme  # written back as the model has it
 
 
 def test_the_ladders_report_sets_each_prediction_beside_its_measured_rung(tmp_path):
