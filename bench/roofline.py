@@ -298,9 +298,9 @@ def main():
     print(f"{table['gpu']}: {table['model']}, context {table['context_length']:,} tokens, "
           + (f"batch {args.batch_size} for every rung" if args.batch_size else "each rung's own batch"))
     for row in table["rungs"] + table.get("predicted_one_gpu_rungs", []):
-        print(f"rung {row['rung']:2d} {row['change']:<44} " + (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling "
-              f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s" if "floor_seconds" in row else " " * 42) + (
-              f", predicted {row['predicted_tok_per_sec']:>9,.0f} tok/s" if args.predict else ""))
+        print((f"rung {row['rung']:2d} {row['change']:<44} " + (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling "
+               f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s, " if "floor_seconds" in row else " " * 44) + (
+               f"predicted {row['predicted_tok_per_sec']:>9,.0f} tok/s" if args.predict else "")).rstrip(", "))
     if args.predict:
         print("Predicted: " + prediction_words(table))
     print(f"Wrote {out}/roofline.md, roofline.png and roofline.json in {time.perf_counter() - started:.1f} s")
