@@ -360,4 +360,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(failures.process_done(main()))

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CORPORA, ENDOFTEXT, UsageError, cache_folder, cached_text_path, check_text_source
+from data.corpus import CORPORA, ENDOFTEXT, cache_folder, cached_text_path, check_text_source
 from data.files import save_atomically, write_atomically
 from data.shards import (DEFAULT_VAL_FRACTION, DESCRIPTION, DTYPE, FORMAT, TOKENIZER, VOCAB_SIZE, is_prepared,
                          open_prepared)

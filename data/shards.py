@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import DamagedWindow, UsageError, check_text_source
+from data.corpus import check_text_source
+from failures import DamagedWindow, UsageError
 
 DESCRIPTION = "corpus.json"
 FORMAT = "fast-gpt2 token shards"

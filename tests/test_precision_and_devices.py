@@ -12,9 +12,11 @@ import torch._dynamo  # imported before any test fakes torch.cuda functions (its
 import checkpoints
 import devices
 import failures
+import gpu_memory
 import inspection
 import timekeeping
 import utilization
+from bench import rungs
 from conftest import logged_losses, run_script, run_with_fault
 from gpu import stage_runs
 
@@ -53,7 +55,7 @@ def test_gpus_get_the_reduced_precision_their_tensor_cores_have(monkeypatch, cap
     chosen, reason = devices.autocast_precision(device)
     assert chosen == precision and words in reason
     assert devices.autocast_dtype(device) is dtype
-    assert devices.has_tf32(device) == (capability[0] >= 8)
+    assert rungs.has_tf32(device) == (capability[0] >= 8)
 
 
 @pytest.mark.parametrize("capability, matmul_precision, words", [
@@ -519,10 +521,10 @@ def test_the_gpu_tiers_readers_understand_a_stages_output(tmp_path, small_text):
 
 
 def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch):
-    """utilization.end_of_warm_up keeps the first interval's peaks (compilation, autotuning's one-off clones of the
+    """gpu_memory.end_of_warm_up keeps the first interval's peaks (compilation, autotuning's one-off clones of the
     buffers a kernel writes in place), gives back the cache only they needed and counts the peaks anew; metrics.json
     then holds both, in GiB."""
-    gib = utilization.GIB
+    gib = gpu_memory.GIB
     state = {"allocated": 10 * gib, "reserved": 12 * gib, "max_allocated": 15 * gib, "max_reserved": 16 * gib}
     calls = []
 
@@ -536,19 +538,19 @@ def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["max_reserved"])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
-    monkeypatch.setattr(utilization, "_first_interval_peaks", {})
+    monkeypatch.setattr(gpu_memory, "_first_interval_peaks", {})
     device = torch.device("cuda", 0)
-    early = utilization.memory_metrics(device)  # still in the first interval: no steady state yet
+    early = gpu_memory.memory_metrics(device)  # still in the first interval: no steady state yet
     assert early["peak_reserved_gb"] is None and early["first_interval_peak_reserved_gb"] == 16
-    utilization.end_of_warm_up(device)
+    gpu_memory.end_of_warm_up(device)
     assert calls == ["empty_cache", "reset"]
     state["max_allocated"], state["max_reserved"] = 11 * gib, 12.5 * gib
-    utilization.end_of_warm_up(device)  # later intervals change nothing
+    gpu_memory.end_of_warm_up(device)  # later intervals change nothing
     assert calls == ["empty_cache", "reset"]
-    metrics = utilization.memory_metrics(device)
+    metrics = gpu_memory.memory_metrics(device)
     assert metrics["memory_unit"] == "GiB"
     assert (metrics["peak_allocated_gb"], metrics["peak_reserved_gb"]) == (11, 12.5)
     assert (metrics["first_interval_peak_allocated_gb"], metrics["first_interval_peak_reserved_gb"]) == (15, 16)
-    line = utilization.peak_memory_line(metrics)
+    line = gpu_memory.peak_memory_line(metrics)
     assert "11.00 GiB allocated, 12.50 GiB reserved after the first interval" in line and "16.00 GiB reserved" in line
-    assert utilization.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None
+    assert gpu_memory.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None

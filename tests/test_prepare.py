@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from conftest import ROOT
-from data import UsageError, get_tokenizer, load_text
+from data import get_tokenizer, load_text
 from data.prepare import FAIL_HOOK, main as prepare_main, prepare
 from data.prepare import load_corpus
 from data.shards import DESCRIPTION, open_prepared
+from failures import UsageError
 
 EOT = 50256
 

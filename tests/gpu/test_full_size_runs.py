@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import devices
+import gpu_memory
 import timekeeping
-import utilization
 import conftest as suite  # tests/conftest.py
 from gpu import stage_runs
 from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
@@ -151,10 +151,10 @@ def test_03s_separately_compiled_loss_costs_a_logits_gradient_of_its_own(run_02,
     assert run_02.returncode == 0 and run_03.returncode == 0, run_02.describe() + run_03.describe()
     peaks = {name: run.metrics()["peak_allocated_gb"] for name, run in (("02", run_02), ("03", run_03))}
     metrics = run_03.metrics()
-    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / utilization.GIB
+    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / gpu_memory.GIB
     report(f"steady-state peak allocated at batch {BATCH}: 02 {shown(peaks['02'], '.2f')} GiB, 03 "
            f"{shown(peaks['03'], '.2f')} GiB; bf16 logits {logits:.2f} GiB, weights in bf16 "
-           f"{metrics['parameters'] * 2 / utilization.GIB:.2f} GiB")
+           f"{metrics['parameters'] * 2 / gpu_memory.GIB:.2f} GiB")
     assert None not in peaks.values(), "a run without a steady state: more steps than one interval are needed"
 
 
