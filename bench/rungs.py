@@ -494,7 +494,7 @@ def crosses_epoch(first_step, last_step, steps_per_epoch):
     return any(step % steps_per_epoch == 0 for step in range(max(1, first_step), last_step + 1))
 
 
-def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpose=False):
+def measure(rung, loader, seed, warmup, steps, windows, say=print):
     """Warm up (untimed), then time `steps` training steps in windows; no evaluation on the clock.
 
     A window that would hold the first step of an epoch is run untimed instead, unless an epoch is too short
@@ -503,9 +503,6 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
     batches = endless_batches(loader, seed)
     tokens_per_step = rung.batch_size * rung.cfg["context_length"]
     steps_per_epoch = len(loader)
-
-    if fail_on_purpose:  # ladder.py's LADDER_FAIL_RUNG testing hook: a crash as a real one would look
-        raise RuntimeError(f"rung {rung.number} failed on purpose (LADDER_FAIL_RUNG testing hook)")
 
     started = time.perf_counter()
     for step in range(warmup):

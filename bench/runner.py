@@ -35,7 +35,6 @@ from data import files
 ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "bench" / "ladder.py"
 
-FAIL_HOOK_VARIABLE = "LADDER_FAIL_RUNG"
 # torchrun --standalone hands its workers this machine's fully qualified host name as MASTER_ADDR; where that name
 # does not resolve (containers, small VMs) the process group never starts. One machine needs only the loopback.
 SINGLE_NODE_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1")
@@ -44,12 +43,6 @@ REAL_VOCAB_SIZE = 50257  # GPT-2's tokenizer: MFU counts useful work, not the pa
 # What a stage script's run folder keeps once the rung is measured: its checkpoint (2 GB at full size, far more
 # for the larger models) is only the price of running the script as it is.
 KEPT_FROM_SCRIPT_RUNS = ("metrics.json", "loss.png", "loss.pdf")
-
-
-def failing_rungs_for_testing():
-    """Rungs named in LADDER_FAIL_RUNG (a testing hook: those rungs fail on purpose)."""
-    text = os.environ.get(FAIL_HOOK_VARIABLE, "")
-    return {int(part) for part in re.findall(r"\d+", text)}
 
 
 def short_error(exc):
@@ -142,8 +135,7 @@ def run_rung_main(args):
         loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
         heartbeat.doing = "warming up" + (" (the first step compiles the model)" if number >= 8 else "")
-        timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say,
-                               fail_on_purpose=number in failing_rungs_for_testing())
+        timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say)
         heartbeat.doing = "finishing"
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
         flops = utilization.flops_per_token(rung.cfg, REAL_VOCAB_SIZE)
@@ -473,10 +465,6 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
 
     script_name = MULTI_PROCESS_RUNGS[number]
     log_path = logs / f"rung-{number:02d}.log"
-    if number in failing_rungs_for_testing():
-        message = f"rung {number} failed on purpose ({FAIL_HOOK_VARIABLE} testing hook)"
-        log_path.write_text(message + "\n")
-        return {"rung": number, "error": message}
     processes = device_info["gpu_count"] if device_info["device_type"] == "cuda" else 1
     run_dir = logs / f"rung-{number:02d}-run"
     torchrun = [sys.executable, *SINGLE_NODE_TORCHRUN, f"--nproc_per_node={processes}",

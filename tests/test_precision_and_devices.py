@@ -1,8 +1,8 @@
 """Every reader's machine: step 5's precision by hardware (bf16, float16 + GradScaler, float32), Apple's MPS with
 its fallbacks, the MFU peak table, and step 7's attention kernel on Hopper GPUs.
 
-No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test hook TEST_FORCE_PRECISION (autocast
-float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
+No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test hook TEST_FORCE_PRECISION
+(tests/support/sitecustomize.py: autocast float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
 """
 
 import pytest
@@ -19,15 +19,16 @@ import utilization
 from bench import rungs
 from conftest import logged_losses, run_script, run_with_fault
 from gpu import stage_runs
+from support.sitecustomize import FORCE_PRECISION, forced_precision
 
-FP16 = {devices.FORCE_PRECISION_VARIABLE: "fp16"}
+FP16 = {FORCE_PRECISION: "fp16"}
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
 
 
 @pytest.fixture(autouse=True)
 def fresh_precision_choice(monkeypatch):
     """autocast_precision is cached per device; every test starts from a clean cache and no forced precision."""
-    monkeypatch.delenv(devices.FORCE_PRECISION_VARIABLE, raising=False)
+    monkeypatch.delenv(FORCE_PRECISION, raising=False)
     devices.autocast_precision.cache_clear()
     yield
     devices.autocast_precision.cache_clear()
@@ -108,10 +109,9 @@ def test_mps_depends_on_macos(monkeypatch):
     assert devices.autocast_dtype(torch.device("mps")) is None
 
 
-def test_the_test_hook_is_checked(monkeypatch):
-    monkeypatch.setenv(devices.FORCE_PRECISION_VARIABLE, "fp8")
-    with pytest.raises(failures.UsageError, match="use bf16, fp16 or fp32"):
-        devices.autocast_precision(torch.device("cpu"))
+def test_the_test_hook_is_checked():
+    with pytest.raises(ValueError, match="use bf16, fp16 or fp32"):
+        forced_precision("fp8")
 
 
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 arithmetic
@@ -121,7 +121,7 @@ NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 a
     ("00_orig.py", {}, "precision: fp32 (the book trains in plain float32)"),
     ("01_opt_single_gpu.py", NO_BF16,
      "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower)"),
-    ("01_opt_single_gpu.py", {devices.FORCE_PRECISION_VARIABLE: "fp32"},
+    ("01_opt_single_gpu.py", {FORCE_PRECISION: "fp32"},
      "precision: fp32 (forced by the test hook TEST_FORCE_PRECISION)"),
     ("02_opt_multi_gpu_ddp.py", NO_BF16,
      "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower) | world size: 1"),

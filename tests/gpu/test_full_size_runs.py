@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 
-import devices
 import gpu_memory
 import timekeeping
 import conftest as suite  # tests/conftest.py
 from gpu import stage_runs
 from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
+from support.sitecustomize import FORCE_PRECISION
 
 BATCH = 8  # 00's own batch: larger ones do not fit its float32 attention matrices
 STEPS = 160  # 1.3 M tokens, within one epoch (167 steps at batch 8); 00 takes ~0.25 s a step in float32
@@ -261,7 +261,7 @@ def test_03_at_world_size_1_learns_like_02(run_02, run_03, report):  # budget: n
 def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
     # budget: ~35 s: --tiny, compiled for float16 on CUDA (~20 s), 60 steps
     run = run_stage("01_opt_single_gpu.py", "--tiny", "--device", "cuda", "--max-steps", 60, "--eval-freq", 20,
-                    out=tmp_path, env={devices.FORCE_PRECISION_VARIABLE: "fp16"}, timeout=240, keep_checkpoint=True)
+                    out=tmp_path, env={FORCE_PRECISION: "fp16"}, timeout=240, keep_checkpoint=True)
     entries = log_entries(run.stdout)
     checkpoint = (torch.load(tmp_path / "model.pth", map_location="cpu", weights_only=True)
                   if (tmp_path / "model.pth").is_file() else {})
