@@ -10,8 +10,8 @@ import contextlib
 
 import checkpoints
 import failures
-import inspection
 import gpu_memory
+import inspection
 import timekeeping
 import utilization
 

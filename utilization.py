@@ -1,5 +1,5 @@
 """Model FLOPs utilization (MFU): a training step's FLOPs per token, the GPUs' dense peaks, and the share of the
-peak that a run's tokens per second reach. GPU memory is memory.py's.
+peak that a run's tokens per second reach. GPU memory is gpu_memory.py's.
 """
 
 import re
