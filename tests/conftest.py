@@ -160,7 +160,7 @@ import cli, devices, failures, timekeeping, utilization
 stage = load_stage({script!r})
 {fault}
 sys.argv = [{script!r}, "--tiny", "--data", {str(small_text)!r}, "--out", {str(tmp_path / 'run')!r}, *{flags!r}]
-sys.exit(failures.run(stage.main))
+sys.exit(failures.process_done(failures.run(stage.main)))
 """
     return run_script("-c", code, env=env)
 

@@ -47,7 +47,7 @@ def save_first_gradients(optimizer, args, kwargs):
 
 
 hook = register_optimizer_step_pre_hook(save_first_gradients)
-sys.exit(failures.run(stage.main))
+sys.exit(failures.process_done(failures.run(stage.main)))
 """
 
 
