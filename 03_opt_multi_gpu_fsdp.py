@@ -12,10 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # write image files; no window
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure  # drawn straight to files: no window, no plot backend to choose
 import torch
 import torch.nn as nn
 import torch.distributed as dist  # NEW (DDP)
@@ -29,11 +26,12 @@ import checkpoints
 import cli
 import devices
 import failures
+import gpu_memory
 import progress
 import sharding  # NEW (FSDP): sharded checkpoints, the full-weights export, the memory per rank
 import timekeeping
 import utilization
-from data import get_tokenizer, load_corpus
+from data import files, get_tokenizer, load_corpus
 
 GPT_CONFIG_124M = {
     "vocab_size": 50304,     # NEW (step 9): GPT-2's 50,257 ids padded to a multiple of 64 for faster matmuls
@@ -330,8 +328,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
         generate_and_print_sample(model, tokenizer, device,  # NEW (FSDP): the sharded model itself, every rank
                                   start_context="Every effort moves you")
         if device.type == "cuda":
-            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / utilization.GIB:.4f} GiB")
-            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / utilization.GIB:.4f} GiB")
+            print(f"Allocated memory: {torch.cuda.memory_allocated(device) / gpu_memory.GIB:.4f} GiB")
+            print(f"Reserved memory: {torch.cuda.memory_reserved(device) / gpu_memory.GIB:.4f} GiB")
         if run.done:
             break
     return run.finish()
@@ -339,7 +337,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
 
 def plot_losses(history, path_stem):
     log = history["log"]
-    fig, ax1 = plt.subplots(figsize=(5, 3))
+    fig = Figure(figsize=(5, 3))
+    ax1 = fig.subplots()
     epochs_seen = [entry["epochs_seen"] for entry in log]
     ax1.plot(epochs_seen, [entry["train_loss"] for entry in log], label="Training loss")
     ax1.plot(epochs_seen, [entry["val_loss"] for entry in log], linestyle="-.", label="Validation loss")
@@ -352,7 +351,6 @@ def plot_losses(history, path_stem):
     fig.tight_layout()
     for suffix in (".pdf", ".png"):  # written atomically, like every output
         checkpoints.save_atomically(lambda tmp: fig.savefig(tmp, dpi=150, format=suffix[1:]), f"{path_stem}{suffix}")
-    plt.close(fig)
 
 
 #####################################
@@ -454,7 +452,7 @@ def main():
     print(utilization.mfu_line(device, precision))
     memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
     if device.type == "cpu" and not args.tiny:
-        print(utilization.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
+        print(devices.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
 
     resume = None
     if args.resume:
@@ -493,16 +491,16 @@ def main():
         "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
         "mfu": utilization.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
         "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory.as_json(),  # NEW (FSDP)
-        **utilization.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
+        **gpu_memory.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
     metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
-    checkpoints.write_json(metrics, out / "metrics.json")
+    files.write_json(out / "metrics.json", metrics, checkpoints.save_atomically)
     plot_losses(history, out / "loss")
     if device.type == "cuda":  # the steady state's peaks beside the first interval's
-        print(utilization.peak_memory_line(metrics))
+        print(gpu_memory.peak_memory_line(metrics))
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
     print(timekeeping.wall_clock_line(metrics["wall_clock_s"]))
 
 
 if __name__ == "__main__":
-    sys.exit(failures.run(main))
+    sys.exit(failures.process_done(failures.run(main)))

@@ -5,7 +5,6 @@ The same in every stage; nothing here is a step of the lesson.
 
 import datetime
 import errno
-import json
 import os
 import random
 import signal
@@ -15,8 +14,8 @@ from pathlib import Path
 
 import cli
 import failures
-from data import UsageError, files
-from failures import OutputError
+from data import files
+from failures import OutputError, UsageError
 from timekeeping import busy
 
 LOCK_NAME = ".run.lock"  # in the output folder: held (flock) by the live run that writes there
@@ -282,16 +281,4 @@ def save_torch(obj, path):
         with open(tmp, "wb") as f:
             torch.save(obj, f)
     save_atomically(save, path)
-
-
-def write_json(obj, path):
-    def save(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=False, default=_json_default)
-            f.write("\n")
-    save_atomically(save, path)
-
-
-def _json_default(value):
-    raise TypeError(f"not JSON serializable: {value!r}")
 

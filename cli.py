@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import failures
-from data import UsageError
+from failures import UsageError
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""The device and what it can do: --device, the CUDA build check, the header's device words, step 5's precision
-by hardware (bf16, float16 with a gradient scaler, or float32), fused AdamW and TF32, and the fallbacks of Apple's
-GPUs.
+"""The device and what it can do: --device, the CUDA build check, the header's device words, a CPU's matmul speed
+(the note on the full-size model there), step 5's precision by hardware (bf16, float16 with a gradient scaler, or
+float32), fused AdamW and TF32, and the fallbacks of Apple's GPUs.
 """
 
 import functools
 import os
 import re
+import time
 
-from data import UsageError
+from failures import UsageError
 
 
 def pick_device(choice, distributed=False):
@@ -74,11 +75,6 @@ def check_cuda_build(capability, arch_list, torch_version, gpu_name):
                      "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126")
 
 
-# torchrun --standalone hands its workers this machine's fully qualified host name as MASTER_ADDR; where that name
-# does not resolve (containers, small VMs) the process group never starts. One machine needs only the loopback.
-SINGLE_NODE_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1")
-
-
 def free_port():
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket
@@ -106,14 +102,26 @@ def describe_device(device, matmul_precision=True):
             + (f", {tf32} for float32 matmuls)" if matmul_precision else ")"))
 
 
+def cpu_speed_note(flops_per_step, steps_per_epoch):
+    """One line, up front, estimating how slow a full-size model will be on this CPU."""
+    import torch
+
+    a = torch.randn(1024, 1024)
+    a @ a  # warm-up
+    start = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    rate = 4 * 2 * 1024**3 / (time.perf_counter() - start)
+    seconds_per_step = flops_per_step / rate
+    epoch_hours = seconds_per_step * steps_per_epoch / 3600
+    return (f"Note: the full 124M model on this CPU needs at least ~{seconds_per_step:.0f} s per step "
+            f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
+            "matmul speed); add --tiny for a small model that trains in seconds.")
+
+
 # ---------------------------------------------------------------------------------------------
 # What the hardware supports: step 5's precision, and the fallbacks an Apple GPU (MPS) needs
 # ---------------------------------------------------------------------------------------------
-
-# A test hook, not a user setting: TEST_FORCE_PRECISION=fp16 takes step 5's float16 + GradScaler path on any device
-# (autocast float16 and GradScaler work on the CPU too), so the tests can train and resume that path without a V100.
-FORCE_PRECISION_VARIABLE = "TEST_FORCE_PRECISION"
-
 
 @functools.lru_cache(maxsize=None)
 def autocast_precision(device):
@@ -121,11 +129,6 @@ def autocast_precision(device):
     dtype; fp16 with a gradient scaler) or "fp32" (no autocast: no reduced precision helps or works there)."""
     import torch
 
-    forced = os.environ.get(FORCE_PRECISION_VARIABLE)
-    if forced:
-        if forced not in ("bf16", "fp16", "fp32"):
-            raise UsageError(f"{FORCE_PRECISION_VARIABLE}={forced}: use bf16, fp16 or fp32 (or unset it)")
-        return forced, f"forced by the test hook {FORCE_PRECISION_VARIABLE}"
     if device.type == "cpu":
         native = cpu_bf16_unit()
         if native:
@@ -170,13 +173,6 @@ def autocast_dtype(device):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast_precision(device)[0])
-
-
-def has_tf32(device):
-    """Whether `device` has TF32 tensor cores for float32 matmuls (step 2): GPUs of compute capability 8.0 and up."""
-    import torch
-
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def has_fused(device):

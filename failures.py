@@ -3,23 +3,26 @@
 The stages raise these; failures.run(main) turns them into one line on stderr and the documented exit code.
 """
 
-import atexit
 import gc
 import os
 import signal
 import sys
 from pathlib import Path
 
-from data.corpus import DamagedWindow, UsageError
-
-__all__ = ["UsageError", "TrainingError", "OutputError", "NothingToTrain", "Interrupted", "run"]
+__all__ = ["UsageError", "DamagedWindow", "TrainingError", "OutputError", "NothingToTrain", "Interrupted", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# At exit, every object is left out of the interpreter's last garbage collections: over PyTorch's objects they took
-# about a second of each run's exit (whatever is still alive is freed with the process).
-atexit.register(gc.freeze)
 resume_hint = None  # the command that continues this run, for an interrupt's message (cli.resolve_settings sets it)
 _undo_on_usage_error = []  # what a run made before it found its input wrong (see on_usage_error)
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the input files: exit code 2, one line, no traceback."""
+
+
+class DamagedWindow(UsageError):
+    """A window of the token shards that cannot be trained on. Each process of a job reads windows of its own, so
+    this one, unlike other usage errors, may be found by one process alone: that process reports it."""
 
 
 class TrainingError(Exception):
@@ -92,6 +95,14 @@ def reports_for_the_job():
     files and checkpoint): alone, always; under torchrun, the first process of each node (LOCAL_RANK 0), so that
     the launch's terminal shows one line instead of one per process. The other processes exit with the same code."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def process_done(exit_code):
+    """`exit_code`, for sys.exit where a process has done its work: every object is left out of the interpreter's
+    last garbage collections, which over PyTorch's objects took about a second of each run's exit (whatever is still
+    alive is freed with the process)."""
+    gc.freeze()
+    return exit_code
 
 
 def run(main):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import checkpoints
-from data import UsageError
+from failures import UsageError
 
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profiler's schedule, from the run's start
 # The labels of the stage's regions and of torch.profiler's steps: the table ranks kernels and operators, not these

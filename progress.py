@@ -10,6 +10,7 @@ import contextlib
 
 import checkpoints
 import failures
+import gpu_memory
 import inspection
 import timekeeping
 import utilization
@@ -113,7 +114,7 @@ class TrainingProgress:
             **({} if hardware_flops_per_token is None else {"hfu": hfu}),  # MFU with a recomputed forward counted
         })
         if self.first_interval:
-            utilization.end_of_warm_up(self.device)  # the steady state's memory peaks count from here
+            gpu_memory.end_of_warm_up(self.device)  # the steady state's memory peaks count from here
         self.interval_tokens, self.first_interval = 0, False
 
     def save_due(self):

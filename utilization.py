@@ -1,9 +1,8 @@
-"""What a run is measured against: the GPUs' peaks, FLOPs per token, MFU, and memory in one unit (GiB, with the
-steady state's peaks kept apart from the first interval's).
+"""Model FLOPs utilization (MFU): a training step's FLOPs per token, the GPUs' dense peaks, and the share of the
+peak that a run's tokens per second reach. GPU memory is gpu_memory.py's.
 """
 
 import re
-import time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,73 +102,6 @@ def flops_per_token(cfg, vocab_size):
     return 6 * matmul_weights + 12 * layers * d * context
 
 
-def memory_line(num_params, cfg, batch_size, precision, flash_attention):
-    """The header's estimate of what training needs in GPU memory, before anything is allocated.
-
-    States: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter (Rajbhandari et al.
-    2019). Activations saved for backward: about 34 x width bytes per token and layer in 16-bit, plus 5 x heads x
-    context bytes for the attention scores where attention is not fused (Korthikanti et al. 2022), twice that in
-    float32; plus the logits and their gradient. An estimate: the allocator's own figures come after an epoch.
-    """
-    tokens = batch_size * cfg["context_length"]
-    half = 1 if precision in ("bf16", "fp16") else 2  # activations in 16-bit, or float32
-    per_token_and_layer = 34 * cfg["emb_dim"] + (0 if flash_attention else 5 * cfg["n_heads"] * cfg["context_length"])
-    activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + cfg["vocab_size"] * 4 * half)
-    return (f"Memory (estimate): weights, gradients and AdamW state {16 * num_params / GIB:.1f} GiB (16 bytes per "
-            f"parameter) + activations {activations / GIB:.1f} GiB at batch {batch_size} x {cfg['context_length']}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory: one unit everywhere (the log, metrics.json's *_gb keys, the ladder, the docs): GiB, 1024^3 bytes
-# ---------------------------------------------------------------------------------------------
-
-GIB = 1024**3
-_first_interval_peaks = {}  # CUDA: the allocator's peaks over the first interval, once it has ended
-
-
-def end_of_warm_up(device):
-    """Called where the first log interval ends (off the clock). Its peaks hold one-off costs: compilation, and
-    Triton's autotuning, which clones every buffer a kernel writes in place (at batch 32 the logits: 3 GiB). They
-    are kept apart; the cache that only they needed is given back, and the steady state's peaks count from here."""
-    import torch
-
-    if device.type != "cuda" or _first_interval_peaks:
-        return
-    _first_interval_peaks.update(allocated=torch.cuda.max_memory_allocated(device) / GIB,
-                                 reserved=torch.cuda.max_memory_reserved(device) / GIB)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-
-
-def memory_metrics(device):
-    """metrics.json's memory in GiB (None off CUDA): now, the steady state's peaks (after the first interval) and
-    the first interval's. A run whose first interval never ended has no steady state: its peaks are the first's."""
-    import torch
-
-    keys = ("allocated_gb", "reserved_gb", "peak_allocated_gb", "peak_reserved_gb",
-            "first_interval_peak_allocated_gb", "first_interval_peak_reserved_gb")
-    if device.type != "cuda":
-        return {"memory_unit": "GiB", **dict.fromkeys(keys)}
-    peaks = (torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB)
-    first = _first_interval_peaks or dict(zip(("allocated", "reserved"), peaks))
-    steady = peaks if _first_interval_peaks else (None, None)
-    values = (torch.cuda.memory_allocated(device) / GIB, torch.cuda.memory_reserved(device) / GIB, *steady,
-              first["allocated"], first["reserved"])
-    return {"memory_unit": "GiB", **dict(zip(keys, values))}
-
-
-def peak_memory_line(metrics):
-    """The log's last word on memory: the steady state's peaks beside the first interval's; None off CUDA."""
-    if metrics["first_interval_peak_reserved_gb"] is None:
-        return None
-    steady = ("no steady state (the run ended in its first interval)" if metrics["peak_reserved_gb"] is None else
-              f"{metrics['peak_allocated_gb']:.2f} GiB allocated, {metrics['peak_reserved_gb']:.2f} GiB reserved "
-              "after the first interval")
-    return (f"Peak memory: {steady} | first interval (warm-up, compilation, autotuning): "
-            f"{metrics['first_interval_peak_allocated_gb']:.2f} GiB allocated, "
-            f"{metrics['first_interval_peak_reserved_gb']:.2f} GiB reserved")
-
-
 def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
     if not peak or not tokens_per_sec_per_gpu:
         return None
@@ -205,20 +137,3 @@ def flops_line(formula, counted, cfg, real_vocab_size):
            "token), which the formula leaves out as no useful work" if padded > 0 else "")
     return (f"FLOPs per token: {formula / 1e9:.4f} G by the formula (used for MFU), {counted / 1e9:.4f} G counted "
             f"by torch.utils.flop_counter in one training step ({100 * (counted / formula - 1):+.3f}%){why}")
-
-
-def cpu_speed_note(flops_per_step, steps_per_epoch):
-    """One line, up front, estimating how slow a full-size model will be on this CPU."""
-    import torch
-
-    a = torch.randn(1024, 1024)
-    a @ a  # warm-up
-    start = time.perf_counter()
-    for _ in range(4):
-        a @ a
-    rate = 4 * 2 * 1024**3 / (time.perf_counter() - start)
-    seconds_per_step = flops_per_step / rate
-    epoch_hours = seconds_per_step * steps_per_epoch / 3600
-    return (f"Note: the full 124M model on this CPU needs at least ~{seconds_per_step:.0f} s per step "
-            f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
-            "matmul speed); add --tiny for a small model that trains in seconds.")

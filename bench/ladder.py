@@ -33,9 +33,6 @@ With --rungs missing the next part is the same command: it measures what the fol
 Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with
 --rungs none when the script checks ran; 1 when none was, 2 for a wrong command line or a part that does not
 match the folder's, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP; the rungs done so far are kept).
-
-Testing hook: the environment variable LADDER_FAIL_RUNG=3 (or 3,11) makes those rungs fail on purpose,
-to check that a failure is reported on its row while the other rungs still run.
 """
 
 import argparse
@@ -360,4 +357,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(failures.process_done(main()))

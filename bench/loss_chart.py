@@ -26,7 +26,8 @@ if str(ROOT) not in sys.path:
 
 import cli  # noqa: E402  (imports no torch)
 import failures  # noqa: E402
-from data import UsageError, files  # noqa: E402
+from data import files  # noqa: E402
+from failures import UsageError  # noqa: E402
 
 STAGES = ROOT / "bench" / "results" / "nvidia-h200" / "stages"
 OUT = ROOT / "docs" / "images" / "loss_against_time.png"
@@ -144,4 +145,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(failures.run(main))
+    sys.exit(failures.process_done(failures.run(main)))

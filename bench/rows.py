@@ -11,7 +11,8 @@ stages.md/json (bench/stages.py) are rendered from the rows present.
 import json
 from pathlib import Path
 
-from data import UsageError, files
+from data import files
+from failures import UsageError
 
 FOLDER = "rows"
 MISSING = "missing"  # --rungs / --runs missing: the items without a row file

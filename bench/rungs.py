@@ -31,7 +31,7 @@ import torch.nn as nn
 
 import cli
 import devices
-import utilization
+import gpu_memory
 from bench import chunked_loss
 from bench.rung_table import (CHANGES, MULTI_PROCESS_RUNGS, RUNG_PARTS, STAGE_00, STAGE_01,  # noqa: F401 (the
                               STAGE_02, STAGE_03, takes_01)  # ladder's names for them)
@@ -283,6 +283,11 @@ def batch_size_note(batch_size, stage_batch_size):
     return f"batch {batch_size} set by --batch-size (the stage's own: {stage_batch_size})"
 
 
+def has_tf32(device):
+    """Whether `device` has TF32 tensor cores for float32 matmuls (step 2): GPUs of compute capability 8.0 and up."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None, options=(), context_length=None):
     """Build rung `number` (0 to 10): stage 00 plus optimizations 1..number, parts from 00 and 01.
 
@@ -310,7 +315,7 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
         notes.append(override)
 
     # Steps 2 and 5, decided as 01's main() decides them.
-    tensor_cores = devices.has_tf32(device)
+    tensor_cores = has_tf32(device)
     torch.set_float32_matmul_precision("high" if number >= 2 and tensor_cores else "highest")
     autocast_precision, reason = devices.autocast_precision(device)
     autocasts = number >= 5 and autocast_precision != "fp32"
@@ -398,7 +403,7 @@ def compose_for_gpu(number, device, has_tf32, autocast_precision, model="gpt2-sm
                     context_length=None):
     """Rung `number` (0 to 10) as compose() builds it at full size, for a GPU described instead of present.
 
-    `has_tf32` and `autocast_precision` ("bf16", "fp16" or "fp32") are what devices.has_tf32 and
+    `has_tf32` and `autocast_precision` ("bf16", "fp16" or "fp32") are what has_tf32(device) and
     devices.autocast_precision would answer on that GPU, so steps 2 and 5 are decided as 01's main() decides them
     there; step 3 is fused AdamW, which PyTorch has for CUDA. `device` is where the model is built (the meta device:
     shapes and dtypes, no memory). Two steps are left to the caller, because they act on a GPU's tensors only:
@@ -489,7 +494,7 @@ def crosses_epoch(first_step, last_step, steps_per_epoch):
     return any(step % steps_per_epoch == 0 for step in range(max(1, first_step), last_step + 1))
 
 
-def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpose=False):
+def measure(rung, loader, seed, warmup, steps, windows, say=print):
     """Warm up (untimed), then time `steps` training steps in windows; no evaluation on the clock.
 
     A window that would hold the first step of an epoch is run untimed instead, unless an epoch is too short
@@ -498,9 +503,6 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
     batches = endless_batches(loader, seed)
     tokens_per_step = rung.batch_size * rung.cfg["context_length"]
     steps_per_epoch = len(loader)
-
-    if fail_on_purpose:  # ladder.py's LADDER_FAIL_RUNG testing hook: a crash as a real one would look
-        raise RuntimeError(f"rung {rung.number} failed on purpose (LADDER_FAIL_RUNG testing hook)")
 
     started = time.perf_counter()
     for step in range(warmup):
@@ -511,7 +513,7 @@ def measure(rung, loader, seed, warmup, steps, windows, say=print, fail_on_purpo
     if rung.device.type == "cuda":
         torch.cuda.synchronize()
     warmup_seconds = time.perf_counter() - started
-    utilization.end_of_warm_up(rung.device)  # the memory peaks of the timed steps count from here
+    gpu_memory.end_of_warm_up(rung.device)  # the memory peaks of the timed steps count from here
     say(f"warm-up: {warmup} steps in {warmup_seconds:.1f} s")
 
     timer = WindowTimer(rung.device)

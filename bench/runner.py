@@ -27,6 +27,7 @@ from pathlib import Path
 
 import devices
 import failures
+import gpu_memory
 import timekeeping
 import utilization
 from data import files
@@ -34,18 +35,14 @@ from data import files
 ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "bench" / "ladder.py"
 
-FAIL_HOOK_VARIABLE = "LADDER_FAIL_RUNG"
+# torchrun --standalone hands its workers this machine's fully qualified host name as MASTER_ADDR; where that name
+# does not resolve (containers, small VMs) the process group never starts. One machine needs only the loopback.
+SINGLE_NODE_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1")
 REAL_VOCAB_SIZE = 50257  # GPT-2's tokenizer: MFU counts useful work, not the padded vocabulary rows
 
 # What a stage script's run folder keeps once the rung is measured: its checkpoint (2 GB at full size, far more
 # for the larger models) is only the price of running the script as it is.
 KEPT_FROM_SCRIPT_RUNS = ("metrics.json", "loss.png", "loss.pdf")
-
-
-def failing_rungs_for_testing():
-    """Rungs named in LADDER_FAIL_RUNG (a testing hook: those rungs fail on purpose)."""
-    text = os.environ.get(FAIL_HOOK_VARIABLE, "")
-    return {int(part) for part in re.findall(r"\d+", text)}
 
 
 def short_error(exc):
@@ -138,8 +135,7 @@ def run_rung_main(args):
         loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
         heartbeat.doing = "warming up" + (" (the first step compiles the model)" if number >= 8 else "")
-        timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say,
-                               fail_on_purpose=number in failing_rungs_for_testing())
+        timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say)
         heartbeat.doing = "finishing"
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
         flops = utilization.flops_per_token(rung.cfg, REAL_VOCAB_SIZE)
@@ -154,11 +150,11 @@ def run_rung_main(args):
         result["error"] = short_error(exc)
     finally:
         if device is not None and device.type == "cuda":  # GiB: the timed steps' peaks and the warm-up's
-            memory = utilization.memory_metrics(device)
+            memory = gpu_memory.memory_metrics(device)
             result.update({key: memory[key] for key in ("peak_allocated_gb", "peak_reserved_gb",
                                                         "first_interval_peak_allocated_gb",
                                                         "first_interval_peak_reserved_gb")})
-            say(utilization.peak_memory_line(memory))
+            say(gpu_memory.peak_memory_line(memory))
         files.write_json(args.result, result)
     return failures.EXIT_OK if result["error"] is None else failures.EXIT_FAILED
 
@@ -450,7 +446,7 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
         "peak_allocated_gb": metrics.get("peak_allocated_gb"), "peak_reserved_gb": metrics.get("peak_reserved_gb"),
         "first_interval_peak_reserved_gb": metrics.get("first_interval_peak_reserved_gb"),
         "bf16_logits_gb": (None if not metrics.get("config") else (metrics.get("settings") or {}).get("batch_size", 0)
-                           * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / utilization.GIB),
+                           * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / gpu_memory.GIB),
         "final_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
         "steps": len(windows) * window, "warmup_steps": measured_ends[0] - window + 1,
         "final_loss_step": last.get("step"), "steps_per_epoch": steps_per_epoch,
@@ -469,13 +465,9 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
 
     script_name = MULTI_PROCESS_RUNGS[number]
     log_path = logs / f"rung-{number:02d}.log"
-    if number in failing_rungs_for_testing():
-        message = f"rung {number} failed on purpose ({FAIL_HOOK_VARIABLE} testing hook)"
-        log_path.write_text(message + "\n")
-        return {"rung": number, "error": message}
     processes = device_info["gpu_count"] if device_info["device_type"] == "cuda" else 1
     run_dir = logs / f"rung-{number:02d}-run"
-    torchrun = [sys.executable, *devices.SINGLE_NODE_TORCHRUN, f"--nproc_per_node={processes}",
+    torchrun = [sys.executable, *SINGLE_NODE_TORCHRUN, f"--nproc_per_node={processes}",
                 "--log-dir", run_dir / "torchrun"]  # torchrun's own files: not in /tmp
     row = run_stage_script(script_name, torchrun, args, device_info, log_path, run_dir, timeout, limit, processes)
     row["rung"] = number

@@ -43,13 +43,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the plumbing modules and bench, wherever the script is started from
 
 import cli  # noqa: E402  (needs the path above)
-import devices
 import failures
 import timekeeping
 from bench import rows  # noqa: E402
 from bench.rows import MISSING  # noqa: E402
-from bench.runner import (Stopped, describe_device, drop_checkpoints, failure_from_output, git_revision,  # noqa: E402
-                          nvidia_driver, run_streaming, start_run_folder, stop_on_signals)
+from bench.runner import (SINGLE_NODE_TORCHRUN, Stopped, describe_device, drop_checkpoints,  # noqa: E402
+                          failure_from_output, git_revision, nvidia_driver, run_streaming, start_run_folder,
+                          stop_on_signals)
 from data import files  # noqa: E402
 
 TORCHRUN_ONE_PROCESS = ("torchrun", "--standalone", "--nproc_per_node=1")
@@ -103,7 +103,7 @@ def command_of(name, args, run_dir):
         flags = ("--tiny", "--max-steps", str(TINY_STEPS), "--eval-freq", "4")
     flags = (*flags, *(("--device", args.device) if args.device != "auto" else ()))
     shown = ("python", *typed, *flags) if typed[0] != "torchrun" else (*typed, *flags)
-    launcher = ([sys.executable, *devices.SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
+    launcher = ([sys.executable, *SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
                 if typed[0] == "torchrun" else [sys.executable])
     return shlex.join(shown), [*launcher, ROOT / typed[-1], *flags, "--out", run_dir]
 
@@ -274,4 +274,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(failures.process_done(main()))

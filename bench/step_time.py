@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 import failures  # noqa: E402  (needs the path above)
 from bench.report import repository_path, same_gpu, shipped_rooflines  # noqa: E402
-from data import UsageError  # noqa: E402
+from failures import UsageError  # noqa: E402
 from inspection import (GPU_BUSY_CATEGORIES, GPU_TIME_CLASSES, WORK_CLASSES, WORK_LABELS,  # noqa: E402
                         gpu_time_per_step, kernel_class)
 
@@ -159,4 +159,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(failures.process_done(main()))

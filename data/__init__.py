@@ -1,7 +1,8 @@
 """Stage-independent plumbing shared by the stage scripts: the corpus, its token shards and the tokenizer."""
 
-from data.corpus import CORPORA, UsageError, load_text
+from data.corpus import CORPORA, load_text
 from data.tokenizer import get_tokenizer
+from failures import UsageError  # failures' own: named here too for the callers that import it from data
 
 __all__ = ["CORPORA", "UsageError", "get_tokenizer", "load_corpus", "load_text"]
 

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from data.files import write_atomically
+from failures import UsageError
 
 CACHE_DIR = Path(__file__).resolve().parent / "cache"  # inside the checkout, where it can be written
 # Where the cache goes when the checkout cannot be written (a shared install, a read-only container image).
@@ -24,15 +25,6 @@ CORPORA = ("shakespeare", "middlemarch")
 # Project Gutenberg ebook 145, the corpus of the original tutorial; MIDDLEMARCH_URL points elsewhere (a mirror).
 MIDDLEMARCH_URL = "https://www.gutenberg.org/cache/epub/145/pg145.txt"
 DOWNLOAD_TIMEOUT_S = 30
-
-
-class UsageError(Exception):
-    """A mistake in the command line or the input files: exit code 2, one line, no traceback."""
-
-
-class DamagedWindow(UsageError):
-    """A window of the token shards that cannot be trained on. Each process of a job reads windows of its own, so
-    this one, unlike other usage errors, may be found by one process alone: that process reports it."""
 
 
 def load_text(name_or_path, cache_dir=None):

@@ -27,9 +27,11 @@ def write_atomically(path, data):
     save_atomically(lambda tmp: Path(tmp).write_bytes(data), path)
 
 
-def write_json(path, obj):
-    """`obj` as indented JSON (allow_nan=False: JSON has no NaN), written atomically."""
-    write_atomically(path, (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+def write_json(path, obj, save_atomically=save_atomically):
+    """`obj` as indented JSON (allow_nan=False: JSON has no NaN), written by `save_atomically` (a run passes
+    checkpoints.save_atomically, which reports a failed write in one line)."""
+    data = (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    save_atomically(lambda tmp: Path(tmp).write_bytes(data), path)
 
 
 def current_umask():

@@ -35,17 +35,17 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CORPORA, ENDOFTEXT, UsageError, cache_folder, cached_text_path, check_text_source
+from data.corpus import CORPORA, ENDOFTEXT, cache_folder, cached_text_path, check_text_source
 from data.files import save_atomically, write_atomically
 from data.shards import (DEFAULT_VAL_FRACTION, DESCRIPTION, DTYPE, FORMAT, TOKENIZER, VOCAB_SIZE, is_prepared,
                          open_prepared)
+from failures import UsageError
 
 TEXT_SUFFIXES = {".txt"}
 JSONL_SUFFIXES = {".jsonl"}
 PLAN_VERSION = 1
 # a chunk may end after a line break with a visible ASCII character on each side: the tokenizer splits there
 SAFE_CUT = re.compile(rb"[\x21-\x7e]\n(?=[\x21-\x7e])")
-FAIL_HOOK = "PREPARE_FAIL_AFTER_CHUNKS"  # a testing hook: stop as if interrupted after this many chunks
 
 
 def find_sources(arguments):
@@ -308,14 +308,11 @@ def _tokenize_and_assemble(sources, chunks, work, out, pool, workers, val_fracti
     if not quiet:
         print(f"prepare: {len(sources)} source(s), {total / 1e6:,.1f} MB in {len(chunks)} chunk(s), "
               f"{min(workers, max(len(jobs), 1))} worker process(es)", flush=True)
-    fail_after = int(os.environ.get(FAIL_HOOK, "0") or 0)
 
     def finished(index, result):
         number, summary = result
         summaries[number] = summary
         progress.add(summary, force=len(summaries) == len(chunks))
-        if fail_after and len(summaries) >= fail_after:
-            raise KeyboardInterrupt(f"{FAIL_HOOK}={fail_after}")
 
     run_jobs(tokenize_chunk, jobs, pool, finished)
     description = assemble(sources, chunks, summaries, work, val_fraction)

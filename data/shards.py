@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import DamagedWindow, UsageError, check_text_source
+from data.corpus import check_text_source
+from failures import DamagedWindow, UsageError
 
 DESCRIPTION = "corpus.json"
 FORMAT = "fast-gpt2 token shards"
@@ -34,7 +35,6 @@ class TokenShards:
         self.paths, self.counts, self.vocab_size, self.split = [str(p) for p in paths], list(counts), vocab_size, split
         self.ends = np.cumsum(self.counts).tolist()  # where each shard ends in the stream
         self._maps = None  # opened on first use, in the process that reads (never pickled)
-        self.read_log = os.environ.get("DATA_READ_LOG")  # a testing hook: which windows this process read
 
     def __len__(self):
         return self.ends[-1] if self.ends else 0
@@ -66,9 +66,6 @@ class TokenShards:
             raise DamagedWindow(f"token id {bad} at or after position {start} of the {self.split} split is outside the "
                                 f"vocabulary of {self.vocab_size:,} ({self.paths[0].rsplit(os.sep, 2)[-2]}): the "
                                 "shards are damaged or of another tokenizer; prepare the corpus again")
-        if self.read_log:
-            with open(self.read_log, "a", encoding="utf-8") as log:
-                log.write(f"{os.environ.get('RANK', '0')} {self.split} {start} {stop}\n")
         import torch  # here, not above: `python -m data.prepare` and its workers need no PyTorch
 
         return torch.from_numpy(window.astype(np.int64))

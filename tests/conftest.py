@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from support.sitecustomize import FORCE_PRECISION, forced_precision
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GPU_TIER = ROOT / "tests" / "gpu"
+TEST_HOOKS = ROOT / "tests" / "support"  # sitecustomize.py: the test hooks of the processes the tests start
 
 
 def gpu_tier_requested(config):
@@ -47,6 +50,10 @@ def pytest_configure(config):
     # passing --device cpu in the runner helpers would not.
     if not gpu_tier_requested(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Every process the tests start imports the test hooks at its start (they do nothing unless a test sets one).
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(TEST_HOOKS) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(TEST_HOOKS), *filter(None, paths)])
     # Two workers (above) on two cores: one thread each for PyTorch in the workers and in every process they
     # start, set before any of them imports torch. Two threads each would oversubscribe the cores and spin.
     if (getattr(config.option, "numprocesses", None) or 0) > 1:
@@ -153,7 +160,7 @@ import cli, devices, failures, timekeeping, utilization
 stage = load_stage({script!r})
 {fault}
 sys.argv = [{script!r}, "--tiny", "--data", {str(small_text)!r}, "--out", {str(tmp_path / 'run')!r}, *{flags!r}]
-sys.exit(failures.run(stage.main))
+sys.exit(failures.process_done(failures.run(stage.main)))
 """
     return run_script("-c", code, env=env)
 
@@ -186,10 +193,8 @@ def bf16_cpu(monkeypatch):
     trains in float32, where a test about bf16 logits would check nothing. Processes the test starts inherit it."""
     import devices
 
-    monkeypatch.setenv(devices.FORCE_PRECISION_VARIABLE, "bf16")
-    devices.autocast_precision.cache_clear()
-    yield
-    devices.autocast_precision.cache_clear()
+    monkeypatch.setattr(devices, "autocast_precision", forced_precision("bf16"))
+    monkeypatch.setenv(FORCE_PRECISION, "bf16")
 
 
 @pytest.fixture(scope="session")

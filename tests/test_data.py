@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, run_script
 
 import data
+import failures
 from data import corpus
 from data import tokenizer as tokenizer_module
 
@@ -217,7 +218,7 @@ def test_middlemarch_downloads_once_then_reads_the_cache(tmp_path, monkeypatch, 
 
 def test_middlemarch_offline_is_a_usage_error(tmp_path, monkeypatch, no_proxy):
     monkeypatch.setenv("MIDDLEMARCH_URL", f"http://127.0.0.1:{_closed_port()}/pg145.txt")
-    with pytest.raises(data.UsageError) as info:
+    with pytest.raises(failures.UsageError) as info:
         data.load_text("middlemarch", cache_dir=tmp_path)
     message = str(info.value)
     assert "shakespeare" in message and "\n" not in message
@@ -249,7 +250,7 @@ def test_middlemarch_offline_exits_2_from_the_cli(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def _usage_error(path_or_name):
-    with pytest.raises(data.UsageError) as info:
+    with pytest.raises(failures.UsageError) as info:
         data.load_text(str(path_or_name))
     message = str(info.value)
     assert message.strip() and "\n" not in message, repr(message)

@@ -18,12 +18,12 @@ import sys
 import pytest
 import torch
 
-import devices
 from conftest import ROOT, run_script
+from support.sitecustomize import FORCE_PRECISION
 from test_stage02_ddp import clean_env, torchrun
 from test_stage03_fsdp import weights as sharded_weights
 
-FP32 = {devices.FORCE_PRECISION_VARIABLE: "fp32"}
+FP32 = {FORCE_PRECISION: "fp32"}
 STEPS = 3  # AdamW's first step is sign(gradient) x lr; by the third the updates depend on the gradients' values
 NO_DROPOUT = """import os
 import sys
@@ -47,7 +47,7 @@ def save_first_gradients(optimizer, args, kwargs):
 
 
 hook = register_optimizer_step_pre_hook(save_first_gradients)
-sys.exit(failures.run(stage.main))
+sys.exit(failures.process_done(failures.run(stage.main)))
 """
 
 

@@ -27,6 +27,7 @@ import devices
 import failures
 from bench import ladder, plan, report, rows, rungs, runner
 from conftest import ROOT, process_alive, run_script, wait_for
+from support.sitecustomize import FAIL_RUNG, forced_precision
 
 CPU = torch.device("cpu")
 FAILING_RUNG = 3  # made to fail on purpose in the end-to-end run
@@ -45,12 +46,8 @@ def composed():
     """Rungs 0 to 10 with the tiny config, composed once for all the composition tests, as on a CPU that computes
     in bf16 (the test hook), so that step 5's bf16 path is checked on every CPU."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(devices.FORCE_PRECISION_VARIABLE, "bf16")
-        devices.autocast_precision.cache_clear()
-        try:
-            return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
-        finally:
-            devices.autocast_precision.cache_clear()
+        patch.setattr(devices, "autocast_precision", forced_precision("bf16"))
+        return {number: rungs.compose(number, CPU, tiny=True) for number in rungs.SINGLE_PROCESS_RUNGS}
 
 
 def test_rung_0_is_stage_00(composed):
@@ -125,7 +122,6 @@ def test_rung_5_is_bf16_autocast_around_stage_00s_layers(composed, bf16_cpu):  #
 
 def test_rung_5_on_a_cpu_without_bf16_decides_as_01_does(monkeypatch):
     monkeypatch.setattr(devices, "cpu_bf16_unit", lambda: None)
-    monkeypatch.delenv(devices.FORCE_PRECISION_VARIABLE, raising=False)
     devices.autocast_precision.cache_clear()
     try:
         rung = rungs.compose(5, CPU, tiny=True)
@@ -649,7 +645,7 @@ def tiny_ladder(tmp_path_factory):
     flags = ("bench/ladder.py", "--tiny", "--warmup", "1", "--steps", "2", "--batch-size", "2", "--data", corpus,
              "--out", out)
     failing = ",".join(map(str, FAILED_IN_THE_FIRST_PART))
-    first = run_script(*flags, "--rungs", "0,1,3,11", env={"LADDER_FAIL_RUNG": failing}, timeout=900)
+    first = run_script(*flags, "--rungs", "0,1,3,11", env={FAIL_RUNG: failing}, timeout=900)
     after_first = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else None
     second = run_script(*flags, "--rungs", "5,10,11", timeout=900)
     merged = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else None

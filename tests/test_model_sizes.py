@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cli
+import gpu_memory
 import utilization
 from conftest import load_stage, run_script
 
@@ -33,12 +34,12 @@ def test_each_size_has_the_books_parameters_and_the_formulas_flops(stage00, name
                                               ("gpt2-large", "12.5"), ("gpt2-xl", "24.4")])
 def test_the_headers_memory_estimate_gives_16_bytes_per_parameter(stage00, name, states_gb):
     cfg = {**stage00.GPT_CONFIG_124M, **cli.MODEL_SIZES[name]}
-    line = utilization.memory_line(PARAMETERS[name], cfg, 32, "bf16", flash_attention=True)
+    line = gpu_memory.memory_line(PARAMETERS[name], cfg, 32, "bf16", flash_attention=True)
     assert f"AdamW state {states_gb} GiB (16 bytes per parameter)" in line, line  # GiB, as the allocator's figures
     # activations: about 34 x width bytes per token and layer in 16-bit (80 GiB for XL at 32 x 1,024), plus logits
     activations = float(line.split("activations ")[1].split(" GiB")[0])
-    blocks = 34 * cfg["emb_dim"] * cfg["n_layers"] * 32 * 1024 / utilization.GIB
-    assert blocks < activations < blocks + 32 * 1024 * cfg["vocab_size"] * 4 / utilization.GIB + 0.1, line
+    blocks = 34 * cfg["emb_dim"] * cfg["n_layers"] * 32 * 1024 / gpu_memory.GIB
+    assert blocks < activations < blocks + 32 * 1024 * cfg["vocab_size"] * 4 / gpu_memory.GIB + 0.1, line
 
 
 def test_an_unknown_size_is_refused_in_one_line():

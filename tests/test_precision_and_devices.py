@@ -1,8 +1,8 @@
 """Every reader's machine: step 5's precision by hardware (bf16, float16 + GradScaler, float32), Apple's MPS with
 its fallbacks, the MFU peak table, and step 7's attention kernel on Hopper GPUs.
 
-No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test hook TEST_FORCE_PRECISION (autocast
-float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
+No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test hook TEST_FORCE_PRECISION
+(tests/support/sitecustomize.py: autocast float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
 """
 
 import pytest
@@ -12,20 +12,23 @@ import torch._dynamo  # imported before any test fakes torch.cuda functions (its
 import checkpoints
 import devices
 import failures
+import gpu_memory
 import inspection
 import timekeeping
 import utilization
+from bench import rungs
 from conftest import logged_losses, run_script, run_with_fault
 from gpu import stage_runs
+from support.sitecustomize import FORCE_PRECISION, forced_precision
 
-FP16 = {devices.FORCE_PRECISION_VARIABLE: "fp16"}
+FP16 = {FORCE_PRECISION: "fp16"}
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
 
 
 @pytest.fixture(autouse=True)
 def fresh_precision_choice(monkeypatch):
     """autocast_precision is cached per device; every test starts from a clean cache and no forced precision."""
-    monkeypatch.delenv(devices.FORCE_PRECISION_VARIABLE, raising=False)
+    monkeypatch.delenv(FORCE_PRECISION, raising=False)
     devices.autocast_precision.cache_clear()
     yield
     devices.autocast_precision.cache_clear()
@@ -53,7 +56,7 @@ def test_gpus_get_the_reduced_precision_their_tensor_cores_have(monkeypatch, cap
     chosen, reason = devices.autocast_precision(device)
     assert chosen == precision and words in reason
     assert devices.autocast_dtype(device) is dtype
-    assert devices.has_tf32(device) == (capability[0] >= 8)
+    assert rungs.has_tf32(device) == (capability[0] >= 8)
 
 
 @pytest.mark.parametrize("capability, matmul_precision, words", [
@@ -106,10 +109,9 @@ def test_mps_depends_on_macos(monkeypatch):
     assert devices.autocast_dtype(torch.device("mps")) is None
 
 
-def test_the_test_hook_is_checked(monkeypatch):
-    monkeypatch.setenv(devices.FORCE_PRECISION_VARIABLE, "fp8")
-    with pytest.raises(failures.UsageError, match="use bf16, fp16 or fp32"):
-        devices.autocast_precision(torch.device("cpu"))
+def test_the_test_hook_is_checked():
+    with pytest.raises(ValueError, match="use bf16, fp16 or fp32"):
+        forced_precision("fp8")
 
 
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 arithmetic
@@ -119,7 +121,7 @@ NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # this CPU as a CPU without bfloat16 a
     ("00_orig.py", {}, "precision: fp32 (the book trains in plain float32)"),
     ("01_opt_single_gpu.py", NO_BF16,
      "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower)"),
-    ("01_opt_single_gpu.py", {devices.FORCE_PRECISION_VARIABLE: "fp32"},
+    ("01_opt_single_gpu.py", {FORCE_PRECISION: "fp32"},
      "precision: fp32 (forced by the test hook TEST_FORCE_PRECISION)"),
     ("02_opt_multi_gpu_ddp.py", NO_BF16,
      "precision: fp32 (this CPU has no bfloat16 arithmetic: emulated bf16 is ~10x slower) | world size: 1"),
@@ -519,10 +521,10 @@ def test_the_gpu_tiers_readers_understand_a_stages_output(tmp_path, small_text):
 
 
 def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch):
-    """utilization.end_of_warm_up keeps the first interval's peaks (compilation, autotuning's one-off clones of the
+    """gpu_memory.end_of_warm_up keeps the first interval's peaks (compilation, autotuning's one-off clones of the
     buffers a kernel writes in place), gives back the cache only they needed and counts the peaks anew; metrics.json
     then holds both, in GiB."""
-    gib = utilization.GIB
+    gib = gpu_memory.GIB
     state = {"allocated": 10 * gib, "reserved": 12 * gib, "max_allocated": 15 * gib, "max_reserved": 16 * gib}
     calls = []
 
@@ -536,19 +538,19 @@ def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["max_reserved"])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
-    monkeypatch.setattr(utilization, "_first_interval_peaks", {})
+    monkeypatch.setattr(gpu_memory, "_first_interval_peaks", {})
     device = torch.device("cuda", 0)
-    early = utilization.memory_metrics(device)  # still in the first interval: no steady state yet
+    early = gpu_memory.memory_metrics(device)  # still in the first interval: no steady state yet
     assert early["peak_reserved_gb"] is None and early["first_interval_peak_reserved_gb"] == 16
-    utilization.end_of_warm_up(device)
+    gpu_memory.end_of_warm_up(device)
     assert calls == ["empty_cache", "reset"]
     state["max_allocated"], state["max_reserved"] = 11 * gib, 12.5 * gib
-    utilization.end_of_warm_up(device)  # later intervals change nothing
+    gpu_memory.end_of_warm_up(device)  # later intervals change nothing
     assert calls == ["empty_cache", "reset"]
-    metrics = utilization.memory_metrics(device)
+    metrics = gpu_memory.memory_metrics(device)
     assert metrics["memory_unit"] == "GiB"
     assert (metrics["peak_allocated_gb"], metrics["peak_reserved_gb"]) == (11, 12.5)
     assert (metrics["first_interval_peak_allocated_gb"], metrics["first_interval_peak_reserved_gb"]) == (15, 16)
-    line = utilization.peak_memory_line(metrics)
+    line = gpu_memory.peak_memory_line(metrics)
     assert "11.00 GiB allocated, 12.50 GiB reserved after the first interval" in line and "16.00 GiB reserved" in line
-    assert utilization.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None
+    assert gpu_memory.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None

@@ -5,6 +5,7 @@ kilobytes), so that the properties of a large preparation (many chunks, several 
 in about a second each.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,10 +16,12 @@ import pytest
 import torch
 
 from conftest import ROOT
-from data import UsageError, get_tokenizer, load_text
-from data.prepare import FAIL_HOOK, main as prepare_main, prepare
+from data import get_tokenizer, load_text
+import data.prepare as preparation
+from data.prepare import main as prepare_main, prepare
 from data.prepare import load_corpus
 from data.shards import DESCRIPTION, open_prepared
+from failures import UsageError
 
 EOT = 50256
 
@@ -152,15 +155,29 @@ def test_the_command_line_prepares_and_a_stage_trains_on_the_folder(tmp_path, pl
 # 2. an interrupted preparation goes on; a failed one leaves a good folder alone
 # ---------------------------------------------------------------------------------------------
 
-def test_an_interrupted_preparation_goes_on_where_it_stopped(tmp_path, play_text, monkeypatch, capsys):
+@contextlib.contextmanager
+def interrupted_after(chunks):
+    """prepare() in this process (workers=1) stopped as by Ctrl-C once `chunks` chunks are tokenized."""
+    tokenize, done = preparation.tokenize_chunk, []
+
+    def tokenize_then_stop(job):
+        if len(done) == chunks:
+            raise KeyboardInterrupt
+        done.append(job)
+        return tokenize(job)
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(preparation, "tokenize_chunk", tokenize_then_stop)
+        yield
+
+
+def test_an_interrupted_preparation_goes_on_where_it_stopped(tmp_path, play_text, capsys):
     source = write(tmp_path / "plays.txt", play_text)
     out = tmp_path / "out"
-    monkeypatch.setenv(FAIL_HOOK, "3")
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_after(3):
         prepare([source], out, workers=1, chunk_mb=0.02)
     assert not out.exists()  # nothing a run could read half-written
     assert len(list((tmp_path / "out.partial").glob("chunk-*.json"))) == 3
-    monkeypatch.delenv(FAIL_HOOK)
     capsys.readouterr()
     prepare([source], out, workers=1, chunk_mb=0.02)
     assert "going on from an interrupted preparation: 3 of" in capsys.readouterr().out
@@ -169,12 +186,10 @@ def test_an_interrupted_preparation_goes_on_where_it_stopped(tmp_path, play_text
     assert json.loads((out / DESCRIPTION).read_text())["tokens"] == clean["tokens"]
 
 
-def test_an_interrupted_preparation_of_other_settings_starts_clean(tmp_path, play_text, monkeypatch, capsys):
+def test_an_interrupted_preparation_of_other_settings_starts_clean(tmp_path, play_text, capsys):
     source = write(tmp_path / "plays.txt", play_text)
-    monkeypatch.setenv(FAIL_HOOK, "2")
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_after(2):
         prepare([source], tmp_path / "out", workers=1, chunk_mb=0.02)
-    monkeypatch.delenv(FAIL_HOOK)
     capsys.readouterr()
     prepare([source], tmp_path / "out", workers=1, chunk_mb=0.02, val_fraction=0.05)
     output = capsys.readouterr().out

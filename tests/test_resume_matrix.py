@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import devices
 from conftest import ROOT
+from support.sitecustomize import FORCE_PRECISION
 from test_stage02_ddp import clean_env, run_all, torchrun
 
 TEXT_CHARS = 8_000
@@ -124,7 +124,7 @@ def matrix(tmp_path_factory):
     def wave(launches):
         """Start every (name, processes, script, flags, env) at once; record (rc, stdout, stderr) by name."""
         commands = [[*launcher(processes), RECORDER, script, *flags] for _, processes, script, flags, _ in launches]
-        envs = [clean_env(**{devices.FORCE_PRECISION_VARIABLE: "fp32", "TRAINED_WINDOWS": str(root / f"{name}.windows"),
+        envs = [clean_env(**{FORCE_PRECISION: "fp32", "TRAINED_WINDOWS": str(root / f"{name}.windows"),
                              **env}) for name, *_, env in launches]
         results.update(zip([name for name, *_ in launches], run_all(commands, timeout=600, envs=envs)))
 

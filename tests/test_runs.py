@@ -135,8 +135,8 @@ def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
     try:
         checkout = base / "repo"
         checkout.mkdir()
-        for name in ("00_orig.py", "checkpoints.py", "cli.py", "devices.py", "failures.py", "inspection.py",
-                     "progress.py", "timekeeping.py", "utilization.py"):
+        for name in ("00_orig.py", "checkpoints.py", "cli.py", "devices.py", "failures.py", "gpu_memory.py",
+                     "inspection.py", "progress.py", "timekeeping.py", "utilization.py"):
             shutil.copy(ROOT / name, checkout / name)
         shutil.copytree(ROOT / "data", checkout / "data", ignore=shutil.ignore_patterns("cache", "__pycache__"))
         home, out = base / "home", base / "out"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import devices
 from conftest import check_wall_clock, load_stage, run_script
+from support.sitecustomize import FORCE_PRECISION
 
 REAL_VOCAB = 50257
 
@@ -159,7 +160,7 @@ def test_bf16_learns_as_well_as_float32(tmp_path, small_text):
         out = tmp_path / precision
         result = run_script("01_opt_single_gpu.py", "--tiny", "--data", small_text, "--out", out, "--epochs", "3",
                             "--max-steps", "40", "--eval-freq", "39", "--eval-iter", "5", "--no-compile", "--batch-size", "2",
-                            env={devices.FORCE_PRECISION_VARIABLE: precision})
+                            env={FORCE_PRECISION: precision})
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"precision: {precision} (forced by the test hook" in result.stdout
         log = json.loads((out / "metrics.json").read_text())["log"]

@@ -30,13 +30,14 @@ import failures
 import sharding
 import utilization
 from conftest import ROOT, check_wall_clock, load_stage
+from support.sitecustomize import FORCE_PRECISION
 from test_speed_habits import (check_the_probe_of_breaks_and_recompiles, compiled_frames, float32_logits_bytes,
                                 largest_allocation)
 from test_stage02_ddp import clean_env, free_port, torchrun
 
 STAGE = "03_opt_multi_gpu_fsdp.py"
 TINY_BATCH, TINY_CONTEXT = 4, 64
-FP32 = {"TEST_FORCE_PRECISION": "fp32"}  # float32 everywhere: 02 and 03 must then agree to the last bit
+FP32 = {FORCE_PRECISION: "fp32"}  # float32 everywhere: 02 and 03 must then agree to the last bit
 REFERENCE_STEPS, SPLIT_AT = 12, 6
 
 

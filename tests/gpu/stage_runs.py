@@ -17,11 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import devices
-from bench.runner import parent_death_signal, stop_process_group
+from bench.runner import SINGLE_NODE_TORCHRUN, parent_death_signal, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN_ONE_PROCESS = [sys.executable, *devices.SINGLE_NODE_TORCHRUN, "--nproc_per_node=1"]
+TORCHRUN_ONE_PROCESS = [sys.executable, *SINGLE_NODE_TORCHRUN, "--nproc_per_node=1"]
 
 
 @dataclass

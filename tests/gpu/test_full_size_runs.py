@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 
-import devices
+import gpu_memory
 import timekeeping
-import utilization
 import conftest as suite  # tests/conftest.py
 from gpu import stage_runs
 from gpu.stage_runs import ddp_bucket_splits, log_entries, memory_gb, run_stage, torch_log, traced_frames
+from support.sitecustomize import FORCE_PRECISION
 
 BATCH = 8  # 00's own batch: larger ones do not fit its float32 attention matrices
 STEPS = 160  # 1.3 M tokens, within one epoch (167 steps at batch 8); 00 takes ~0.25 s a step in float32
@@ -151,10 +151,10 @@ def test_03s_separately_compiled_loss_costs_a_logits_gradient_of_its_own(run_02,
     assert run_02.returncode == 0 and run_03.returncode == 0, run_02.describe() + run_03.describe()
     peaks = {name: run.metrics()["peak_allocated_gb"] for name, run in (("02", run_02), ("03", run_03))}
     metrics = run_03.metrics()
-    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / utilization.GIB
+    logits = BATCH * metrics["config"]["context_length"] * metrics["config"]["vocab_size"] * 2 / gpu_memory.GIB
     report(f"steady-state peak allocated at batch {BATCH}: 02 {shown(peaks['02'], '.2f')} GiB, 03 "
            f"{shown(peaks['03'], '.2f')} GiB; bf16 logits {logits:.2f} GiB, weights in bf16 "
-           f"{metrics['parameters'] * 2 / utilization.GIB:.2f} GiB")
+           f"{metrics['parameters'] * 2 / gpu_memory.GIB:.2f} GiB")
     assert None not in peaks.values(), "a run without a steady state: more steps than one interval are needed"
 
 
@@ -261,7 +261,7 @@ def test_03_at_world_size_1_learns_like_02(run_02, run_03, report):  # budget: n
 def test_float16_with_a_gradient_scaler_trains_on_cuda(tmp_path, report):
     # budget: ~35 s: --tiny, compiled for float16 on CUDA (~20 s), 60 steps
     run = run_stage("01_opt_single_gpu.py", "--tiny", "--device", "cuda", "--max-steps", 60, "--eval-freq", 20,
-                    out=tmp_path, env={devices.FORCE_PRECISION_VARIABLE: "fp16"}, timeout=240, keep_checkpoint=True)
+                    out=tmp_path, env={FORCE_PRECISION: "fp16"}, timeout=240, keep_checkpoint=True)
     entries = log_entries(run.stdout)
     checkpoint = (torch.load(tmp_path / "model.pth", map_location="cpu", weights_only=True)
                   if (tmp_path / "model.pth").is_file() else {})
