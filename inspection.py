@@ -20,7 +20,7 @@ PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profile
 REGION_LABELS = ("forward with loss", "backward", "optimizer step")
 SNAPSHOT_STEPS = 3  # steps of allocator history in a memory snapshot
 
-# The classes of work of a training step, the roofline's (bench/step_model.py) and the profile's breakdown, in the
+# The classes of work of a training step, the roofline's (cost_model/step_model.py) and the profile's breakdown, in the
 # order of their tables; a profile adds what the GPU does besides computing, and the time it waits.
 WORK_CLASSES = ("matmul", "attention", "norm_activation", "elementwise", "loss", "optimizer")
 WORK_LABELS = {"matmul": "matmuls", "attention": "attention", "norm_activation": "norms, activations",

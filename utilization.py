@@ -13,7 +13,7 @@ import re
 # Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (docs/measuring.md, "Reading the log",
 # lists them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
 # accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures "with sparsity"
-# are halved. Bandwidth (bench/roofline.py) is the HBM or GDDR figure of the same sheets: A100 data sheet (80 GB
+# are halved. Bandwidth (cost_model/roofline.py) is the HBM or GDDR figure of the same sheets: A100 data sheet (80 GB
 # SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35 TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100),
 # H200 and H200 NVL (4.8 TB/s), HGX B200 and GB200 NVL72 (8 TB/s per GPU), L40S 864, A10 600, L4 300, RTX A6000
 # 768, GeForce RTX 4090 / 4080 / 3090 specifications (1,008 / 716.8 / 936), V100 900 (V100S 1,134), T4 320.

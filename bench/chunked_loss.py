@@ -1,7 +1,7 @@
 """The output head and the loss in chunks of tokens, with their gradient made in the forward: no logits kept.
 
 The largest tensor of a training step is the logits, batch x tokens x vocabulary (3 GiB in bf16 for 01 at batch
-32), and the forward keeps them until the loss's backward has written their gradient (over them: bench/memory_model.py
+32), and the forward keeps them until the loss's backward has written their gradient (over them: cost_model/memory_model.py
 counts them among the saved tensors). Once the loss is known, its gradient with respect to the logits is known too:
 softmax(logits) - one_hot(target), divided by the number of tokens. So the forward can finish the head's backward
 itself, a chunk of tokens at a time, and keep only what the backward needs from it: the gradient of the head's

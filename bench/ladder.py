@@ -128,7 +128,7 @@ def build_parser():
                                       "bench/results/<gpu or cpu name>/, with a -<model> suffix for a model other "
                                       "than gpt2-small and -tiny under --tiny)")
     parser.add_argument("--roofline", metavar="PATH",
-                        help=f"bench/roofline.py's {report.ROOFLINE_NAME} for this GPU: a measured / ceiling column "
+                        help=f"cost_model/roofline.py's {report.ROOFLINE_NAME} for this GPU: a measured / ceiling column "
                              "(default: the one in the results folder, if it models the same GPU)")
     parser.add_argument("--check-scripts", action="store_true",
                         help="also run 00_orig.py and 01_opt_single_gpu.py as they are, with the same steps, "
@@ -229,7 +229,7 @@ def roofline_at_context(roofline, args, say=print):
         return roofline
     why = f"{roofline['path']} models context {modelled:,}, the rungs train at {trained:,}"
     if args.roofline:
-        raise failures.UsageError(f"--roofline {why}: give bench/roofline.py's at --context-length {trained}")
+        raise failures.UsageError(f"--roofline {why}: give cost_model/roofline.py's at --context-length {trained}")
     say(f"No ceiling column: {why}")
     return None
 

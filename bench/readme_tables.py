@@ -146,7 +146,7 @@ def ladder_paragraph(ladder, folder):
 
 
 def ceilings_table(ladder):
-    """Steps 0-10 as measured beside the ceilings bench/roofline.py models for the same GPU, and each step's
+    """Steps 0-10 as measured beside the ceilings cost_model/roofline.py models for the same GPU, and each step's
     speed-up beside its ceiling's."""
     measured = {row["rung"]: row for row in ladder["rungs"] if row["rung"] in STEPS and not row.get("error")
                 and row.get("tokens_per_sec") and row.get("ceiling_tok_per_sec")}

@@ -4,7 +4,7 @@ bench/ladder.py measures rungs, each into a row file of the results folder's row
 the rows present into those three files, whichever commands measured them: a ladder measured in parts
 (--rungs 0-5, then --rungs 6-12) is one table because its rows lie in one folder.
 
-When a roofline.json that bench/roofline.py wrote for the same GPU lies in the results folder (or --roofline
+When a roofline.json that cost_model/roofline.py wrote for the same GPU lies in the results folder (or --roofline
 names one), the table gains a column: each rung's measured tok/s over the ceiling modelled for it.
 
 Run alone, it renders the three files again from the folder's rows, with no rung run again (after roofline.json was
@@ -62,7 +62,7 @@ MATCHED = {"device_name": "device", "gpu_count": "visible GPUs", "torch": "PyTor
                ("data", "--data"), ("seed", "--seed"), ("warmup_steps", "--warmup"), ("steps", "--steps"),
                ("windows", "--windows"), ("options", "--option"))}}
 ROOFLINE_NAME = "roofline.json"
-SHIPPED_ROOFLINES = ROOT / "docs" / "roofline"  # bench/roofline.py's for the GPUs of the README
+SHIPPED_ROOFLINES = ROOT / "docs" / "roofline"  # cost_model/roofline.py's for the GPUs of the README
 
 
 def repository_path(path):
@@ -153,7 +153,7 @@ def collect(found):
 
 
 # ---------------------------------------------------------------------------------------------
-# The ceiling from bench/roofline.py
+# The ceiling from cost_model/roofline.py
 # ---------------------------------------------------------------------------------------------
 
 def _peak_table_entry(name):
@@ -187,7 +187,7 @@ def read_roofline(path):
         return {"path": str(path), "gpu": str(data["gpu"]), "modelled": modelled, "ceilings": ceilings,
                 "predictions": predictions, "fitted_on": "; ".join(data.get("fitted_on", []))}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{path} is not a roofline.json of bench/roofline.py ({type(err).__name__}: {err})") from None
+        raise ValueError(f"{path} is not a roofline.json of cost_model/roofline.py ({type(err).__name__}: {err})") from None
 
 
 def roofline_mismatch(roofline, device_name, settings):
@@ -235,7 +235,7 @@ def find_roofline(out, explicit, device_name, settings, say=print):
         why_not = roofline_mismatch(roofline, device_name, settings)
         if why_not:
             raise UsageError(f"--roofline {explicit} does not fit these rungs: {why_not}; give the one "
-                             "bench/roofline.py wrote for this GPU and these settings")
+                             "cost_model/roofline.py wrote for this GPU and these settings")
         return roofline
     path = Path(out) / ROOFLINE_NAME
     if not path.exists():
@@ -386,9 +386,9 @@ def render_markdown(report):
         "",
     ]
     if ceilings:
-        lines += [f"Measured / ceiling: the rung's median tok/s over the ceiling that bench/roofline.py modelled "
+        lines += [f"Measured / ceiling: the rung's median tok/s over the ceiling that cost_model/roofline.py modelled "
                   f"for it on the {ceilings['gpu']} (`{ceilings['path']}`)." + (
-                      " Predicted: its bench/roofline.py --predict, a model fitted on " + ceilings["fitted_on"] +
+                      " Predicted: its cost_model/roofline.py --predict, a model fitted on " + ceilings["fitted_on"] +
                       "; in brackets the measured rung's departure from it (a --profile shows which class departs)."
                       if predicted else ""), ""]
     not_comparable = ("for the full-size model, so not comparable with a --tiny run" if tiny else
@@ -590,7 +590,7 @@ def main(argv=None):
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", metavar="RESULTS_FOLDER", help="a folder that bench/ladder.py wrote (--out)")
     parser.add_argument("--roofline", metavar="PATH",
-                        help=f"bench/roofline.py's {ROOFLINE_NAME} for this GPU (default: the one in the folder, "
+                        help=f"cost_model/roofline.py's {ROOFLINE_NAME} for this GPU (default: the one in the folder, "
                              "if it models the same GPU)")
     args = parser.parse_args(argv)
     try:

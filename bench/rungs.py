@@ -54,7 +54,7 @@ OPTIONS = {
                        "PyTorch 2.12 and newer refuse it at 0.1, and the rungs fail)",
     "memory-budget": f"torch._functorch.config.activation_memory_budget = {MEMORY_BUDGET}: the compiled step saves "
                      "less for its backward and recomputes the norms, GELU and the residual stream there "
-                     "(bench/memory_model.py shows what it saves)",
+                     "(cost_model/memory_model.py shows what it saves)",
     "chunked-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's: the output head and the loss in "
                     f"chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient made in the forward, so the "
                     "logits are never kept whole (rungs 4-10, whose loss is 01's)",
@@ -362,7 +362,7 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
 
 
 # ---------------------------------------------------------------------------------------------
-# A rung for a GPU that need not be here (bench/roofline.py counts one step of it on the meta device)
+# A rung for a GPU that need not be here (cost_model/roofline.py counts one step of it on the meta device)
 # ---------------------------------------------------------------------------------------------
 
 @dataclass

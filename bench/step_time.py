@@ -3,14 +3,14 @@
   python 01_opt_single_gpu.py --max-steps 20 --profile      # writes runs/01_opt_single_gpu/profile/*.json
   python bench/step_time.py runs/01_opt_single_gpu/profile/01_opt_single_gpu.pt.trace.json
   python bench/step_time.py TRACE --rung 10       # beside rung 10 of docs/roofline/<this GPU>/roofline.json
-  python bench/step_time.py TRACE --roofline PATH --rung 10   # another roofline.json of bench/roofline.py
+  python bench/step_time.py TRACE --roofline PATH --rung 10   # another roofline.json of cost_model/roofline.py
 
 It reads the trace that --profile wrote (steps 6-8 of the run, or the later ones it moved to), sorts every GPU
 kernel into the roofline's six classes of work by its name (inspection.kernel_class: cuBLAS's GEMMs, FlashAttention,
 the loss's log-softmax, AdamW's multi-tensor kernels, norms and activations, everything else elementwise), adds
 NCCL's communication, the copies, and the time the GPU ran nothing ("idle": the host did not keep it fed), and
 prints a markdown table of milliseconds per step. With --rung (and --roofline, or the roofline docs/roofline/ ships
-for the trace's GPU), each class also gets the floor that bench/roofline.py modelled for it on that GPU, and
+for the trace's GPU), each class also gets the floor that cost_model/roofline.py modelled for it on that GPU, and
 measured over floor: the class furthest above its floor is where a change can gain most. Then the kernels that took
 the most time, with their class, so that a name the rules sort wrongly shows.
 
@@ -67,7 +67,7 @@ def shipped_roofline_path(gpu_name):
         if gpu_name and same_gpu(roofline["gpu"], gpu_name):
             return path
     raise UsageError(f"docs/roofline/ ships no roofline for the {gpu_name or 'GPU of this trace'}: write one with "
-                     f"python bench/roofline.py --gpu '{gpu_name or 'NAME'}' --out DIR and give it with --roofline")
+                     f"python cost_model/roofline.py --gpu '{gpu_name or 'NAME'}' --out DIR and give it with --roofline")
 
 
 def roofline_floors(path, rung, gpu_name):
@@ -76,12 +76,12 @@ def roofline_floors(path, rung, gpu_name):
         roofline = json.loads(Path(path).read_text(encoding="utf-8"))
         rows = {int(row["rung"]): row for row in roofline["rungs"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(f"{path} is not a roofline.json of bench/roofline.py ({type(err).__name__}: {err})") from None
+        raise UsageError(f"{path} is not a roofline.json of cost_model/roofline.py ({type(err).__name__}: {err})") from None
     if rung not in rows:
         raise UsageError(f"{path} models rungs {sorted(rows)}, not rung {rung}")
     if gpu_name and not same_gpu(roofline["gpu"], gpu_name):
         raise UsageError(f"{path} models the {roofline['gpu']}, but the trace was taken on the {gpu_name}: run "
-                         f"python bench/roofline.py --gpu '{gpu_name}' --out DIR for this GPU")
+                         f"python cost_model/roofline.py --gpu '{gpu_name}' --out DIR for this GPU")
     row = rows[rung]
     floors = {work: row["classes"][work]["floor_seconds"] for work in WORK_CLASSES}
     what = (f"roofline: {repository_path(path)}, rung {rung} ({row.get('change', '')}) on the {roofline['gpu']}, "
@@ -136,7 +136,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("trace", help="the .pt.trace.json that --profile wrote under <out>/profile/")
-    parser.add_argument("--roofline", help="a roofline.json of bench/roofline.py for the same GPU")
+    parser.add_argument("--roofline", help="a roofline.json of cost_model/roofline.py for the same GPU")
     parser.add_argument("--rung", type=int, help="the rung the profiled run is (10: 01 as it is; 0: 00)")
     args = parser.parse_args(argv)
     try:

@@ -208,13 +208,13 @@ def test_with_dropout_the_runs_agree_statistically(tmp_path, small_text):
 
 @pytest.fixture(scope="module")
 def rung10_a100():
-    from bench.step_model import find_gpu, model_rung
+    from cost_model.step_model import find_gpu, model_rung
 
     return model_rung(10, find_gpu("A100"), batch_size=32)
 
 
 def test_the_roofline_counts_adamw_once_per_optimizer_step(rung10_a100):
-    from bench.scaling import accumulated
+    from cost_model.scaling import accumulated
 
     four = accumulated(rung10_a100, 4)
     assert four["tokens_per_step"] == 4 * rung10_a100["tokens_per_step"]
@@ -234,7 +234,7 @@ def test_rung_11s_ceiling_on_4_a100s_lies_above_the_original_tutorials_measureme
     """The original tutorial measured 419,259 tok/s with DDP on 4 A100s at batch 32 per GPU: the model's ceiling
     for the same work must lie above it. Over NVLink the all-reduce hides in the backward; over a slow link it
     does not, and accumulation takes it out of all but one micro-batch in N."""
-    from bench.scaling import LINKS_GB_PER_S, accumulated, data_parallel
+    from cost_model.scaling import LINKS_GB_PER_S, accumulated, data_parallel
 
     nvlink = data_parallel(rung10_a100, 4, LINKS_GB_PER_S["nvlink-a100"])
     assert nvlink["ceiling_tok_per_sec"] > 419_259
@@ -262,7 +262,7 @@ def test_the_ladders_option_splits_each_batch_into_micro_batches():
 
 
 def test_the_memory_model_keeps_the_gradients_between_micro_batches():
-    from bench.memory_model import StepMemory
+    from cost_model.memory_model import StepMemory
 
     memory = StepMemory(rung=10, model="gpt2-small", batch_size=8, context_length=1024, vocab_size=50304, budget=1.0,
                         num_params=1000, saved=[], backward_matmuls=0, logits_bytes=0)

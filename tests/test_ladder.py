@@ -1057,6 +1057,6 @@ def test_a_roofline_at_another_context_gives_no_ceiling_column(tmp_path):
     assert said == [f"No ceiling column: {path} models context 1,024, the rungs train at 2,048"]
     path.write_text(json.dumps({"gpu": "H100", "context_length": 2048, "rungs": []}))
     assert ladder.roofline_at_context(report.read_roofline(path), resolved("--context-length", "2048")) is not None
-    with pytest.raises(failures.UsageError, match="give bench/roofline.py's at --context-length 4096"):
+    with pytest.raises(failures.UsageError, match="give cost_model/roofline.py's at --context-length 4096"):
         ladder.roofline_at_context(report.read_roofline(path), resolved("--context-length", "4096", "--roofline",
                                                                         str(path)))

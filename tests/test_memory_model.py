@@ -1,4 +1,4 @@
-"""bench/memory_model.py: what the compiled step saves for its backward, counted by PyTorch's own partitioner.
+"""cost_model/memory_model.py: what the compiled step saves for its backward, counted by PyTorch's own partitioner.
 
 The step is traced at the full width with two layers, a shorter context and a small vocabulary, at batch 32 (fake
 tensors cost no memory: the time goes into the graph, about a second per layer), once with PyTorch's default budget
@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import aten_dtypes
 
-from bench import memory_model, rungs, step_model
+from bench import rungs
+from cost_model import memory_model, step_model
 
 LAYERS, CONTEXT, BATCH, VOCAB = 2, 256, 32, 2048
 SMALL = {"n_layers": LAYERS, "context_length": CONTEXT, "vocab_size": VOCAB}

@@ -7,7 +7,7 @@ from conftest import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py", "03_opt_multi_gpu_fsdp.py")
-DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "cost_model" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def headings():

@@ -1,4 +1,4 @@
-"""bench/roofline.py: the counts of small known cases, the dtypes it gives autocast, rung 0 against the FLOPs
+"""cost_model/roofline.py: the counts of small known cases, the dtypes it gives autocast, rung 0 against the FLOPs
 formula, the ceilings against the original tutorial's A100 measurements, and its command line.
 
 The whole A100 table is built once for the module, by the command line a user runs (it must take under 60 s on
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from conftest import ROOT, aten_dtypes, load_stage, run_script
 
 import utilization
-from bench import prediction, roofline, rungs, step_model
+from bench import rungs
+from cost_model import prediction, roofline, step_model
 from bench.report import REFERENCE
 
 CLI_SECONDS = 60  # the issue's bound for one whole table on this machine
@@ -29,7 +30,7 @@ def run_roofline(*flags):
     the wall clock by several times (measured: 12 s of CPU in 22 to 70 s)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
-    result = run_script("bench/roofline.py", *flags, timeout=10 * CLI_SECONDS)
+    result = run_script("cost_model/roofline.py", *flags, timeout=10 * CLI_SECONDS)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return result, cpu_seconds, time.monotonic() - started
@@ -37,7 +38,7 @@ def run_roofline(*flags):
 
 @pytest.fixture(scope="module")
 def a100(tmp_path_factory):
-    """The A100 table as `python bench/roofline.py --gpu A100 --predict` writes it: (roofline.json, seconds, --out)."""
+    """The A100 table as `python cost_model/roofline.py --gpu A100 --predict` writes it: (roofline.json, seconds, --out)."""
     out = tmp_path_factory.mktemp("roofline-a100")
     result, cpu_seconds, wall_seconds = run_roofline("--gpu", "A100", "--predict", "--out", out)
     assert result.returncode == 0, result.stderr
@@ -147,8 +148,8 @@ def test_the_autocast_rules_give_the_dtypes_pytorchs_cuda_autocast_gives(number)
 
 def test_the_whole_table_is_built_in_under_a_minute(a100):
     table, (cpu_seconds, wall_seconds), out = a100
-    assert cpu_seconds < CLI_SECONDS, f"bench/roofline.py --gpu A100 took {cpu_seconds:.0f} s of CPU"
-    print(f"bench/roofline.py --gpu A100: {cpu_seconds:.1f} s of CPU, {wall_seconds:.1f} s on the clock")
+    assert cpu_seconds < CLI_SECONDS, f"cost_model/roofline.py --gpu A100 took {cpu_seconds:.0f} s of CPU"
+    print(f"cost_model/roofline.py --gpu A100: {cpu_seconds:.1f} s of CPU, {wall_seconds:.1f} s on the clock")
     assert [row["rung"] for row in table["rungs"]] == list(range(11))
     assert {path.name for path in out.iterdir()} >= {"roofline.md", "roofline.png", "roofline.json"}
 
@@ -212,8 +213,8 @@ def test_each_step_removes_what_it_is_for(a100):
 def test_the_command_line_writes_the_three_files_for_an_h100(tmp_path, a100):
     result, cpu_seconds, wall_seconds = run_roofline("--gpu", "H100", "--predict", "--out", tmp_path)
     assert result.returncode == 0, result.stderr
-    assert cpu_seconds < CLI_SECONDS, f"bench/roofline.py --gpu H100 took {cpu_seconds:.0f} s of CPU"
-    print(f"bench/roofline.py --gpu H100: {cpu_seconds:.1f} s of CPU, {wall_seconds:.1f} s on the clock")
+    assert cpu_seconds < CLI_SECONDS, f"cost_model/roofline.py --gpu H100 took {cpu_seconds:.0f} s of CPU"
+    print(f"cost_model/roofline.py --gpu H100: {cpu_seconds:.1f} s of CPU, {wall_seconds:.1f} s on the clock")
     table = json.loads((tmp_path / "roofline.json").read_text())
     assert table["gpu"] == "H100" and table["gpu_peaks"]["bandwidth_gb_per_s"] == 3350
     a100_rows = a100[0]["rungs"]
@@ -234,7 +235,7 @@ def test_the_command_line_writes_the_three_files_for_an_h100(tmp_path, a100):
 
 def test_an_unknown_gpu_exits_2_with_one_line(tmp_path):
     out = tmp_path / "never"
-    result = run_script("bench/roofline.py", "--gpu", "RTX 9999", "--out", out, timeout=120)
+    result = run_script("cost_model/roofline.py", "--gpu", "RTX 9999", "--out", out, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "RTX 9999" in lines[0] and "A100" in lines[0], result.stderr
@@ -249,14 +250,14 @@ def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
     assert step_model.find_gpu("NVIDIA A100-PCIE-40GB").bandwidth_gb_per_s == 1555
     assert step_model.find_gpu("H200").bandwidth_gb_per_s == 4800
     assert step_model.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
-    assert ROOT.joinpath("bench", "roofline.py").exists()
+    assert ROOT.joinpath("cost_model", "roofline.py").exists()
 
 
 def test_no_ceiling_lies_below_a_published_measurement_and_the_roofline_page_shows_them():
-    """bench/published.py sets others' published tok/s beside the ceiling of the rung doing the closest work: a
+    """cost_model/published.py sets others' published tok/s beside the ceiling of the rung doing the closest work: a
     ceiling below a measurement of the same work would mean the model is wrong. docs/roofline.md shows the same table
     (its ceilings to within 1%: the count of ops may move slightly between PyTorch versions)."""
-    from bench import published
+    from cost_model import published
 
     found = published.ceilings()
     readme = (ROOT / "docs" / "roofline.md").read_text(encoding="utf-8")
@@ -307,7 +308,7 @@ def test_at_twice_the_context_hand_written_attention_moves_four_times_the_bytes_
 @pytest.mark.parametrize("value", ["0", "1.5"])
 def test_a_context_length_that_is_not_a_whole_number_from_1_exits_2_with_one_line(value, tmp_path):
     out = tmp_path / "never"
-    result = run_script("bench/roofline.py", "--gpu", "H100", "--context-length", value, "--out", out, timeout=120)
+    result = run_script("cost_model/roofline.py", "--gpu", "H100", "--context-length", value, "--out", out, timeout=120)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "--context-length" in result.stderr and not out.exists()
 
@@ -320,7 +321,7 @@ def test_the_reference_column_is_the_tutorials_context_only():
 
 
 # ---------------------------------------------------------------------------------------------
-# Predictions (bench/prediction.py)
+# Predictions (cost_model/prediction.py)
 # ---------------------------------------------------------------------------------------------
 
 def committed(gpu):

@@ -57,7 +57,7 @@ def test_kernels_are_sorted_into_the_roofline_classes_by_name(name):
 
 
 def test_the_profile_and_the_roofline_share_their_classes():
-    from bench import step_model
+    from cost_model import step_model
 
     assert step_model.CLASSES == inspection.WORK_CLASSES
     assert set(inspection.GPU_TIME_CLASSES) == {*inspection.WORK_CLASSES, "communication", "copies", "idle"}

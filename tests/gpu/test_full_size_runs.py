@@ -108,13 +108,13 @@ def test_01_trains_at_full_size(run_01, report):  # budget: run_01's
 
 
 def test_01_peak_memory_is_what_the_partition_model_says(run_01, report):
-    """bench/memory_model.py models 01's peak from what the compiled forward saves (PyTorch's partitioner on fake
+    """cost_model/memory_model.py models 01's peak from what the compiled forward saves (PyTorch's partitioner on fake
     tensors, on the CPU) plus the weights and AdamW's moments (the logits' gradient is written over the saved logits:
     donated buffers). The GPU's own peak checks that
     model (the README quotes it for batch 32), within what the model leaves out: the allocator's workspaces, the
     gradients that the backward allocates while the saved tensors are still alive, fragmentation."""
     # budget: ~10 s of CPU for the model; the run is run_01's
-    from bench import memory_model
+    from cost_model import memory_model
 
     assert run_01.returncode == 0, run_01.describe()
     metrics = run_01.metrics()
@@ -122,7 +122,7 @@ def test_01_peak_memory_is_what_the_partition_model_says(run_01, report):
     measured = metrics["peak_allocated_gb"] * 2**30
     ratio = measured / modelled.peak_bytes
     report(f"01 at batch {BATCH}: peak allocated {measured / 2**30:.2f} GiB, reserved "
-           f"{metrics['peak_reserved_gb']:.2f} GiB; bench/memory_model.py models {modelled.peak_bytes / 2**30:.2f} "
+           f"{metrics['peak_reserved_gb']:.2f} GiB; cost_model/memory_model.py models {modelled.peak_bytes / 2**30:.2f} "
            f"GiB (saved {modelled.saved_bytes / 2**30:.2f} GiB): measured / modelled {ratio:.2f}")
     assert 0.8 <= ratio <= 1.3, (f"the memory model is off by more than it should be: "
                                  f"{memory_model.report(modelled)}" + run_01.describe())

@@ -1,7 +1,7 @@
-"""Gradient accumulation and data parallelism over the roofline of one training step (bench/step_model.py).
+"""Gradient accumulation and data parallelism over the roofline of one training step (cost_model/step_model.py).
 
-  python bench/scaling.py --gpu A100 --gpus 4 --link nvlink-a100            # rung 11 as the original tutorial ran it
-  python bench/scaling.py --gpu H100 --gpus 16 --link ib-100g --batch-size 8 --grad-accum-steps 1,4,8
+  python cost_model/scaling.py --gpu A100 --gpus 4 --link nvlink-a100            # rung 11 as the original tutorial ran it
+  python cost_model/scaling.py --gpu H100 --gpus 16 --link ib-100g --batch-size 8 --grad-accum-steps 1,4,8
 
 With N micro-batches per optimizer step (--grad-accum-steps) everything but AdamW happens N times, AdamW once, and
 the backward of every micro-batch after the first adds its gradients to the kept ones: one more read of them and
@@ -88,9 +88,9 @@ def link_speed(text):
 
 
 def main(argv=None):
-    from bench.step_model import find_gpu, model_rung
+    from cost_model.step_model import find_gpu, model_rung
 
-    parser = cli.OneLineParser(prog="bench/scaling.py", description=__doc__, allow_abbrev=False,
+    parser = cli.OneLineParser(prog="cost_model/scaling.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", required=True, metavar="NAME", help="a GPU of utilization.PEAK_TFLOPS, e.g. A100, H100")
     parser.add_argument("--gpus", type=cli.whole_number(1), default=1, help="GPUs under DDP (default: 1)")

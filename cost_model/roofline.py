@@ -1,11 +1,11 @@
 """Roofline of one training step, rung by rung: the least time a given GPU needs for the work each rung does.
 
-  python bench/roofline.py --gpu A100 --out runs/roofline/a100     # A100 alone is the SXM 80 GB part
-  python bench/roofline.py --gpu H100 --out runs/roofline/h100     # also "H200", "A100 PCIe", "L40S"...
-  python bench/roofline.py --gpu H100 --model gpt2-medium --batch-size 16 --out runs/roofline/h100-medium
-  python bench/roofline.py --gpu H100 --batch-size 8 --grad-accum-steps 4    # each step as 4 micro-batches of 8
-  python bench/roofline.py --gpu H100 --context-length 2048 --out /tmp/r    # windows of 2,048 tokens
-  python bench/roofline.py --gpu "RTX 4090" --predict   # and each rung's predicted tok/s (bench/prediction.py)
+  python cost_model/roofline.py --gpu A100 --out runs/roofline/a100     # A100 alone is the SXM 80 GB part
+  python cost_model/roofline.py --gpu H100 --out runs/roofline/h100     # also "H200", "A100 PCIe", "L40S"...
+  python cost_model/roofline.py --gpu H100 --model gpt2-medium --batch-size 16 --out runs/roofline/h100-medium
+  python cost_model/roofline.py --gpu H100 --batch-size 8 --grad-accum-steps 4    # each step as 4 micro-batches of 8
+  python cost_model/roofline.py --gpu H100 --context-length 2048 --out /tmp/r    # windows of 2,048 tokens
+  python cost_model/roofline.py --gpu "RTX 4090" --predict   # and each rung's predicted tok/s (cost_model/prediction.py)
 
 For each single-GPU rung of the ladder (0 to 10, at full size and at each rung's own batch, precision and
 kernels, at the stages' context of 1,024 tokens or --context-length's) it counts what one training step does, forward, loss, backward and AdamW, in FLOPs and in bytes read
@@ -14,9 +14,9 @@ work (dropout, residual adds, casts, embedding lookups, gradient sums); the loss
 a floor time on the GPU, max(FLOPs / peak FLOP/s, bytes / memory bandwidth); the step's floor is their sum, and
 tokens per step over that floor is the rung's ceiling in tok/s. The peaks are utilization.PEAK_TFLOPS's (the dense
 figure of the precision each op runs in) and its memory bandwidth column. Written to --out: roofline.md (the
-tables), roofline.png (the chart) and roofline.json; --predict adds each rung's predicted tok/s (bench/prediction.py).
+tables), roofline.png (the chart) and roofline.json; --predict adds each rung's predicted tok/s (cost_model/prediction.py).
 
-How the step is counted, and what the model assumes and leaves out, is told in bench/step_model.py.
+How the step is counted, and what the model assumes and leaves out, is told in cost_model/step_model.py.
 
 Exit code 0 when the files are written; 2 with one line for a wrong command line, a GPU not in the table or an
 --out that cannot be written; 1 when a file cannot be written after all (a full disk).
@@ -36,10 +36,10 @@ import checkpoints  # noqa: E402  (needs the path above)
 import cli  # noqa: E402
 import failures
 from data import files  # noqa: E402
-from bench.scaling import accumulated  # noqa: E402
-from bench.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402
+from cost_model.scaling import accumulated  # noqa: E402
+from cost_model.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402
                               build_roofline, find_gpu)
-from bench import prediction  # noqa: E402
+from cost_model import prediction  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # roofline.md, roofline.png
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def render_markdown(table):
     lines = [
         f"# Roofline of one training step: {table['gpu']}",
         "",
-        f"{table['model']}, context {rows[0]['context_length']:,}, {batch}; counted by `bench/roofline.py` on the "
+        f"{table['model']}, context {rows[0]['context_length']:,}, {batch}; counted by `cost_model/roofline.py` on the "
         f"meta device with PyTorch {table['torch']} (a model of the GPU, not a measurement).",
         "",
         f"GPU: dense peak TFLOP/s {peaks}; memory bandwidth {gpu['bandwidth_gb_per_s']:,g} GB/s "
@@ -149,7 +149,7 @@ def render_markdown(table):
                          f"{entry['bound']} | {_ms(entry['floor_seconds'])} | {100 * entry['share']:.1f}% |")
         lines.append("")
     lines += ["## How it is counted", "",
-              "See the docstring of `bench/step_model.py`: the model and loss are the stages' own, built on the meta "
+              "See the docstring of `cost_model/step_model.py`: the model and loss are the stages' own, built on the meta "
               "device; a dispatch mode counts every aten op of forward, loss, backward and AdamW; autocast's CUDA "
               "rules are applied there by the script; from step 7 attention is FlashAttention's kernel (an "
               "estimate: its re-reads of K and V from L2 are left out, causal halving is approximate); from step 8 "
@@ -261,7 +261,7 @@ def slug(name):
 
 
 def build_parser():
-    parser = cli.OneLineParser(prog="bench/roofline.py", description=__doc__,
+    parser = cli.OneLineParser(prog="cost_model/roofline.py", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--gpu", required=True, metavar="NAME",
                         help="a GPU of utilization.PEAK_TFLOPS, e.g. A100 (the SXM 80 GB part), A100 PCIe, H100, H200")

@@ -1,9 +1,9 @@
 """What each rung will measure on a GPU, predicted: the roofline's floors, each over an efficiency fitted on a ladder.
 
-  python bench/roofline.py --gpu "RTX 4090" --predict   # any GPU of the peak table, with a prediction per rung
-  python bench/prediction.py                           # the README's table of predictions (--check: exit 1 if stale)
+  python cost_model/roofline.py --gpu "RTX 4090" --predict   # any GPU of the peak table, with a prediction per rung
+  python cost_model/prediction.py                           # the README's table of predictions (--check: exit 1 if stale)
 
-Each op's floor (bench/step_model.py) falls in one of five kinds of work by what bounds it, each reaching its own
+Each op's floor (cost_model/step_model.py) falls in one of five kinds of work by what bounds it, each reaching its own
 share of the data sheet: matmuls on CUDA cores (float32) and on tensor cores, of their peak; FlashAttention, of the
 16-bit peak; eager and compiled (fused) memory-bound kernels, of the bandwidth. Each kernel launched adds a fixed gap.
 These six numbers per GPU generation, never one per rung, are fitted by least squares of relative errors (shares at
@@ -30,7 +30,7 @@ import failures  # noqa: E402  (needs the path above)
 from inspection import gpu_time_per_step  # noqa: E402
 from bench.report import rung_ranges, same_gpu  # noqa: E402
 from bench.rows import read_rows  # noqa: E402
-from bench.step_model import BOUNDS, CLASSES, build_roofline, find_gpu  # noqa: E402
+from cost_model.step_model import BOUNDS, CLASSES, build_roofline, find_gpu  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # The ladder each generation's efficiencies are fitted on: its folder (rows/ and profile/) and the GPU it ran on.
@@ -46,7 +46,7 @@ SHARE_OF = {"fp32 matmul": 0, "tf32 matmul": 1, "bf16 matmul": 1, "fp16 matmul":
             "fused traffic": 4}
 ONE_GPU_RUNGS = {11: "DDP on one GPU", 12: "FSDP2 on one GPU"}  # rung 10's step, under 02's and 03's code
 README_GPUS = ("RTX 3090", "RTX 4090", "A10", "L4", "T4", "V100", "A100", "H100", "H200")
-README, README_BLOCK = ROOT / "README.md", ("<!-- predictions: bench/prediction.py writes this table -->",
+README, README_BLOCK = ROOT / "README.md", ("<!-- predictions: cost_model/prediction.py writes this table -->",
                                          "<!-- /predictions -->")
 TUTORIAL_SAME_WORK = range(0, 5)  # its rungs 0-4 ran 00's code at batch 8 as rungs 0-4 do; from 5 on it differs
 
@@ -215,7 +215,7 @@ def main(argv=None):
     check, text = parser.parse_args(argv).check, README.read_text(encoding="utf-8")
     table = readme_table(readme_tables())
     if check and block(text, README_BLOCK) != table:
-        print(f"{README}: the predictions differ from the model's: run python bench/prediction.py", file=sys.stderr)
+        print(f"{README}: the predictions differ from the model's: run python cost_model/prediction.py", file=sys.stderr)
         return 1
     if not check:
         README.write_text(_with_block(text, README_BLOCK, table), encoding="utf-8")

@@ -10,7 +10,7 @@ This script runs that decision for a compiled rung (8, 9 or 10; rung 10 is 01_op
 size, without a GPU and without memory:
 - the rung is composed as the ladder composes it (bench.rungs.compose_for_gpu), on fake tensors (shapes, dtypes,
   no storage), under bf16 autocast;
-- SDPA is called as FlashAttention's own aten op (bench.step_model.flash_attention), which is what CUDA runs at
+- SDPA is called as FlashAttention's own aten op (cost_model.step_model.flash_attention), which is what CUDA runs at
   these shapes (on a CPU, SDPA with dropout takes its math path and would save the tokens x tokens matrix);
 - torch.compile runs Dynamo, AOTAutograd and Inductor's graph passes and partitioner, up to the point where Inductor
   would generate kernels; there, the forward and backward graphs are kept instead, and the forward graph's outputs
@@ -30,10 +30,10 @@ Inductor writes their gradient. The caching allocator reserves somewhat more tha
 freed ones), and the backward's own gradients come on top as it goes. What the GPU reports, `Reserved memory` in a
 stage's log and `peak_reserved_gb` in the ladder, is the measurement.
 
-    python bench/memory_model.py                    # rung 10: 01 at batch 32
-    python bench/memory_model.py --budget 0.8       # what the ladder's --option memory-budget sets
-    python bench/memory_model.py --chunked-loss     # what the ladder's --option chunked-loss changes
-    python bench/memory_model.py --rung 8 --model gpt2-medium --batch-size 4
+    python cost_model/memory_model.py                    # rung 10: 01 at batch 32
+    python cost_model/memory_model.py --budget 0.8       # what the ladder's --option memory-budget sets
+    python cost_model/memory_model.py --chunked-loss     # what the ladder's --option chunked-loss changes
+    python cost_model/memory_model.py --rung 8 --model gpt2-medium --batch-size 4
 """
 
 import argparse
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 from bench import chunked_loss  # noqa: E402
 from bench.rungs import compose_for_gpu  # noqa: E402
-from bench.step_model import flash_attention  # noqa: E402
+from cost_model.step_model import flash_attention  # noqa: E402
 
 COMPILED_RUNGS = (8, 9, 10)
 MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl")

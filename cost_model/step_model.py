@@ -1,4 +1,4 @@
-"""The model behind bench/roofline.py: one training step of a rung, counted on the meta device.
+"""The model behind cost_model/roofline.py: one training step of a rung, counted on the meta device.
 
 How the step is counted
 - The model, optimizer and loss are the stages' own, composed as the ladder composes each rung
@@ -107,7 +107,7 @@ MOVES_ONLY = {"_to_copy", "copy_", "clone", "cat", "stack", "embedding", "zeros_
               "constant_pad_nd", "_foreach_copy_", "split_with_sizes_copy", "lift_fresh_copy", "tril", "triu",
               "arange"}  # copies and fills: bytes, no arithmetic
 SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"}
-# What bounds an op's floor (bench/prediction.py): matmuls at their peak, FlashAttention, eager or fused traffic.
+# What bounds an op's floor (cost_model/prediction.py): matmuls at their peak, FlashAttention, eager or fused traffic.
 BOUNDS = ("fp32 matmul", "tf32 matmul", "bf16 matmul", "fp16 matmul", "flash", "traffic", "fused traffic")
 RANDOM_MASKS = {"native_dropout": 1}  # output index of the random mask: saved, never recomputed, when compiled
 
@@ -738,8 +738,8 @@ def tutorial_reference(gpu, model, batch_size, context_length=None):
 def build_roofline(gpu, model="gpt2-small", batch_size=None, rung_numbers=MODELLED_RUNGS, step=lambda row: row,
                    context_length=None, counted_steps=None):
     """The whole table: {"gpu": ..., "rungs": [...]}, each rung with what its step removed from the one before;
-    `step` turns a rung's row into the step the table models (bench/roofline.py: accumulation, bench/scaling.py);
-    `context_length` replaces the stages' own for every rung (bench/roofline.py's --context-length);
+    `step` turns a rung's row into the step the table models (cost_model/roofline.py: accumulation, cost_model/scaling.py);
+    `context_length` replaces the stages' own for every rung (cost_model/roofline.py's --context-length);
     `counted_steps` (model_rung's) lets another GPU's table reuse the steps counted."""
     torch = _torch()
     started = time.perf_counter()

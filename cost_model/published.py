@@ -1,6 +1,6 @@
 """Published measurements of other GPT-2-small trainings beside this repository's roofline ceilings.
 
-  python bench/published.py     # docs/roofline.md's table, in markdown, to stdout (about 10 s of CPU)
+  python cost_model/published.py     # docs/roofline.md's table, in markdown, to stdout (about 10 s of CPU)
 
 Beside this repository's own ladders, these show that the roofline describes reality: every ceiling must lie above
 what others measured doing the same work on the same GPU and batch (the suite checks it). Each row names the rung
@@ -48,8 +48,8 @@ PUBLISHED = (
 
 
 def ceilings():
-    """{(gpu, batch, rung): ceiling tok/s} for the rows above, from bench/step_model.py's roofline."""
-    from bench.step_model import build_roofline, find_gpu
+    """{(gpu, batch, rung): ceiling tok/s} for the rows above, from cost_model/step_model.py's roofline."""
+    from cost_model.step_model import build_roofline, find_gpu
 
     wanted = {}
     for _, _, gpu, batch, _, rung, _, _ in PUBLISHED:
@@ -75,7 +75,7 @@ def markdown(found):
     return "\n".join(lines + ["", "Sources: " + "; ".join(sources) + "."])
 
 
-BLOCK = ("<!-- published measurements: bench/published.py writes this table -->", "<!-- /published measurements -->")
+BLOCK = ("<!-- published measurements: cost_model/published.py writes this table -->", "<!-- /published measurements -->")
 
 
 if __name__ == "__main__":
