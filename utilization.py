@@ -9,51 +9,45 @@ import re
 # Throughput and MFU
 # ---------------------------------------------------------------------------------------------
 
-# One row per GPU: (name pattern, dense peak TFLOP/s as (bf16, fp16, tf32, fp32), memory bandwidth in GB/s).
+# One row per GPU: (name pattern, dense peak TFLOP/s as (bf16, fp16, tf32, fp32)).
 # Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (docs/measuring.md, "Reading the log",
 # lists them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
 # accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures "with sparsity"
-# are halved. Bandwidth (cost_model/roofline.py) is the HBM or GDDR figure of the same sheets: A100 data sheet (80 GB
-# SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35 TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100),
-# H200 and H200 NVL (4.8 TB/s), HGX B200 and GB200 NVL72 (8 TB/s per GPU), L40S 864, A10 600, L4 300, RTX A6000
-# 768, GeForce RTX 4090 / 4080 / 3090 specifications (1,008 / 716.8 / 936), V100 900 (V100S 1,134), T4 320.
+# are halved. The same rows' memory bandwidth is the cost model's (cost_model/step_model.py, BANDWIDTH_GB_PER_S).
 # More specific names first: "H100 NVL" before "H100", "A100" before "A10"; "A100" alone is the SXM 80 GB part.
 PEAK_TFLOPS = (
-    (r"GB200", (2500.0, 2500.0, 1250.0, 80.0), 8000),       # per Blackwell GPU (a superchip holds two)
-    (r"B200", (2250.0, 2250.0, 1100.0, 75.0), 8000),        # HGX B200, per GPU
-    (r"H200 NVL", (835.5, 835.5, 417.5, 60.3), 4800),
-    (r"H200", (989.4, 989.4, 494.7, 66.9), 4800),
-    (r"H100 NVL", (835.5, 835.5, 417.5, 60.3), 3900),
-    (r"H100 PCIe", (756.5, 756.5, 378.0, 51.2), 2000),
-    (r"H100", (989.4, 989.4, 494.7, 66.9), 3350),           # SXM
-    (r"H800 PCIe", (756.5, 756.5, 378.0, 51.2), 2000),
-    (r"H800", (989.4, 989.4, 494.7, 66.9), 3350),           # SXM
-    (r"A100.*(PCIe.*\b40 ?GB|\b40 ?GB.*PCIe)", (312.0, 312.0, 156.0, 19.5), 1555),
-    (r"A100.*PCIe", (312.0, 312.0, 156.0, 19.5), 1935),     # 80 GB PCIe
-    (r"A100.*\b40 ?GB", (312.0, 312.0, 156.0, 19.5), 1555),  # 40 GB SXM4
-    (r"A100", (312.0, 312.0, 156.0, 19.5), 2039),           # 80 GB SXM4
-    (r"L40S", (362.05, 362.05, 183.0, 91.6), 864),
-    (r"A10\b", (125.0, 125.0, 62.5, 31.2), 600),
-    (r"L4\b", (121.0, 121.0, 60.0, 30.3), 300),
-    (r"RTX A6000", (154.8, 154.8, 77.4, 38.7), 768),
-    (r"RTX 4090", (165.2, 165.2, 82.6, 82.6), 1008),
-    (r"RTX 4080", (97.5, 97.5, 48.7, 48.7), 716.8),         # the 16 GB card
-    (r"RTX 3090", (71.0, 71.0, 35.6, 35.6), 936),
-    (r"V100S", (None, 130.0, None, 16.4), 1134),
-    (r"V100.*PCIE", (None, 112.0, None, 14.0), 900),
-    (r"V100", (None, 125.0, None, 15.7), 900),             # SXM2
-    (r"\bT4\b", (None, 65.0, None, 8.1), 320),
+    (r"GB200", (2500.0, 2500.0, 1250.0, 80.0)),       # per Blackwell GPU (a superchip holds two)
+    (r"B200", (2250.0, 2250.0, 1100.0, 75.0)),        # HGX B200, per GPU
+    (r"H200 NVL", (835.5, 835.5, 417.5, 60.3)),
+    (r"H200", (989.4, 989.4, 494.7, 66.9)),
+    (r"H100 NVL", (835.5, 835.5, 417.5, 60.3)),
+    (r"H100 PCIe", (756.5, 756.5, 378.0, 51.2)),
+    (r"H100", (989.4, 989.4, 494.7, 66.9)),           # SXM
+    (r"H800 PCIe", (756.5, 756.5, 378.0, 51.2)),
+    (r"H800", (989.4, 989.4, 494.7, 66.9)),           # SXM
+    (r"A100.*(PCIe.*\b40 ?GB|\b40 ?GB.*PCIe)", (312.0, 312.0, 156.0, 19.5)),
+    (r"A100.*PCIe", (312.0, 312.0, 156.0, 19.5)),     # 80 GB PCIe
+    (r"A100.*\b40 ?GB", (312.0, 312.0, 156.0, 19.5)),  # 40 GB SXM4
+    (r"A100", (312.0, 312.0, 156.0, 19.5)),           # 80 GB SXM4
+    (r"L40S", (362.05, 362.05, 183.0, 91.6)),
+    (r"A10\b", (125.0, 125.0, 62.5, 31.2)),
+    (r"L4\b", (121.0, 121.0, 60.0, 30.3)),
+    (r"RTX A6000", (154.8, 154.8, 77.4, 38.7)),
+    (r"RTX 4090", (165.2, 165.2, 82.6, 82.6)),
+    (r"RTX 4080", (97.5, 97.5, 48.7, 48.7)),         # the 16 GB card
+    (r"RTX 3090", (71.0, 71.0, 35.6, 35.6)),
+    (r"V100S", (None, 130.0, None, 16.4)),
+    (r"V100.*PCIE", (None, 112.0, None, 14.0)),
+    (r"V100", (None, 125.0, None, 15.7)),             # SXM2
+    (r"\bT4\b", (None, 65.0, None, 8.1)),
 )
 PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 
 
-def gpu_peaks(name):
-    """The first row of PEAK_TFLOPS that a GPU name matches (CUDA's name, or one typed like "A100 PCIe"), as
-    (TFLOP/s in the order of PRECISIONS, memory bandwidth in GB/s); None for a GPU not in the table."""
-    for pattern, peaks, bandwidth in PEAK_TFLOPS:
-        if re.search(pattern, name, re.IGNORECASE):
-            return peaks, bandwidth
-    return None
+def peak_row(name):
+    """The first row of PEAK_TFLOPS that a GPU name matches (CUDA's name, or one typed like "A100 PCIe"):
+    (its name pattern, TFLOP/s in the order of PRECISIONS); None for a GPU not in the table."""
+    return next((row for row in PEAK_TFLOPS if re.search(row[0], name, re.IGNORECASE)), None)
 
 
 def _peak_tflops(device, precision):
@@ -68,9 +62,9 @@ def _peak_tflops(device, precision):
     if re.search(r"\bMIG\b", name):  # e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb": a slice, not the whole GPU
         return None, (f"the {name} is a MIG slice with a fraction of the GPU's compute, and NVIDIA publishes no "
                       "peak per slice: the whole GPU's peak would understate MFU")
-    row = gpu_peaks(name)
+    row = peak_row(name)
     if row is not None:
-        tflops = row[0][PRECISIONS.index(precision)]
+        tflops = row[1][PRECISIONS.index(precision)]
         return tflops, None if tflops else f"the {name} has no {precision} peak in the table"
     return None, f"the {name} is not in the peak table (utilization.PEAK_TFLOPS): add its data-sheet figures"
 

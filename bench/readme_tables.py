@@ -32,7 +32,7 @@ import failures
 from bench import report, rows  # noqa: E402
 from bench.stages import collect as stage_collect  # noqa: E402
 from bench.stages import tables as stage_tables  # noqa: E402
-from data import UsageError  # noqa: E402
+from failures import UsageError  # noqa: E402
 
 README = ROOT / "README.md"
 PAGE = ROOT / "docs" / "results.md"  # every table; the README shows the glance table

@@ -29,7 +29,8 @@ import cli  # noqa: E402  (needs the path above; imports no torch)
 import failures
 import utilization
 from bench import rows  # noqa: E402
-from data import UsageError, files  # noqa: E402
+from data import files  # noqa: E402
+from failures import UsageError  # noqa: E402
 
 # The original tutorial's figures, one A100 (rung 11: four), PyTorch 2.6: its README's "Avg tok/sec"
 # for steps 0 to 7 and "Step tok/sec" at the end of epoch 1 for 8 to 11 (all GPUs together for 11),

@@ -160,14 +160,30 @@ class Gpu:
         return self.peak(precision) / self.bandwidth
 
 
+# Memory bandwidth in GB/s of each row of utilization.PEAK_TFLOPS, by the row's name pattern: the HBM or GDDR
+# figure of the same data sheets: A100 data sheet (80 GB SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35
+# TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100), H200 and H200 NVL (4.8 TB/s), HGX B200 and GB200 NVL72 (8 TB/s
+# per GPU), L40S 864, A10 600, L4 300, RTX A6000 768, GeForce RTX 4090 / 4080 / 3090 specifications (1,008 / 716.8 /
+# 936), V100 900 (V100S 1,134), T4 320.
+BANDWIDTH_GB_PER_S = {
+    r"GB200": 8000, r"B200": 8000, r"H200 NVL": 4800, r"H200": 4800,
+    r"H100 NVL": 3900, r"H100 PCIe": 2000, r"H100": 3350, r"H800 PCIe": 2000, r"H800": 3350,
+    r"A100.*(PCIe.*\b40 ?GB|\b40 ?GB.*PCIe)": 1555, r"A100.*PCIe": 1935, r"A100.*\b40 ?GB": 1555, r"A100": 2039,
+    r"L40S": 864, r"A10\b": 600, r"L4\b": 300, r"RTX A6000": 768,
+    r"RTX 4090": 1008, r"RTX 4080": 716.8, r"RTX 3090": 936,
+    r"V100S": 1134, r"V100.*PCIE": 900, r"V100": 900, r"\bT4\b": 320,
+}
+
+
 def find_gpu(name):
-    row = utilization.gpu_peaks(name)
+    row = utilization.peak_row(name)
     if row is None:
-        plain = [pattern.replace(r"\b", "") for pattern, _, _ in utilization.PEAK_TFLOPS]
+        plain = [pattern.replace(r"\b", "") for pattern, _ in utilization.PEAK_TFLOPS]
         known = ", ".join(dict.fromkeys(gpu for gpu in plain if not re.search(r"[.*()|]", gpu)))
         raise failures.UsageError(f"--gpu {name}: not in the peak table (utilization.PEAK_TFLOPS); known: {known}")
-    tflops, bandwidth = row
-    return Gpu(name=name, tflops=dict(zip(utilization.PRECISIONS, tflops)), bandwidth_gb_per_s=bandwidth)
+    pattern, tflops = row
+    return Gpu(name=name, tflops=dict(zip(utilization.PRECISIONS, tflops)),
+               bandwidth_gb_per_s=BANDWIDTH_GB_PER_S[pattern])
 
 
 # ---------------------------------------------------------------------------------------------

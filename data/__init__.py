@@ -2,9 +2,8 @@
 
 from data.corpus import CORPORA, load_text
 from data.tokenizer import get_tokenizer
-from failures import UsageError  # failures' own: named here too for the callers that import it from data
 
-__all__ = ["CORPORA", "UsageError", "get_tokenizer", "load_corpus", "load_text"]
+__all__ = ["CORPORA", "get_tokenizer", "load_corpus", "load_text"]
 
 
 def load_corpus(name_or_path, cache_dir=None):

@@ -253,6 +253,14 @@ def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
     assert ROOT.joinpath("cost_model", "roofline.py").exists()
 
 
+def test_every_gpu_of_the_peak_table_has_a_memory_bandwidth():
+    """The bandwidth lives in the cost model, by the peak table's row: a row added to one table alone is caught."""
+    import utilization
+
+    assert set(step_model.BANDWIDTH_GB_PER_S) == {pattern for pattern, _ in utilization.PEAK_TFLOPS}
+    assert all(isinstance(tflops, tuple) and len(tflops) == 4 for _, tflops in utilization.PEAK_TFLOPS)
+
+
 def test_no_ceiling_lies_below_a_published_measurement_and_the_roofline_page_shows_them():
     """cost_model/published.py sets others' published tok/s beside the ceiling of the rung doing the closest work: a
     ceiling below a measurement of the same work would mean the model is wrong. docs/roofline.md shows the same table
