@@ -87,9 +87,10 @@ def _write_error(folder, err):
                               "(model.pth and the folder it names) is kept")
 
 
-def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
-    """--resume: read model.pth (checkpoints.load_checkpoint's checks), then every rank reads its shards of the weights
-    and AdamW's state from the folder model.pth names (DCP reshards them to this world size).
+def load_checkpoint(model, optimizer, setup, steps_per_epoch):
+    """--resume: model.pth, opened at the start (setup.resume, checked by checkpoints.check_continuation), then every
+    rank reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them to this world
+    size).
 
     The global batch, --batch-size x --grad-accum-steps x processes (the train loader's batch, which holds the
     accumulation steps, times the processes), must be the checkpoint's; how it is split may change, the number
@@ -101,12 +102,12 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
     written at, the run goes on exactly; at another, it goes on from the first window not yet trained on,
     the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
-    path, world_size, context = args.resume, dist.get_world_size(), cfg["context_length"]
-    folder = Path(path).parent / str(args.checkpoint.get("sharded_state"))  # opened at the start, memory-mapped
-    if not args.checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
-        raise failures.UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete "
-                                "(copy the model.dcp folder along with model.pth)")
-    checkpoint = checkpoints.load_checkpoint(args, args.batch_size * args.grad_accum_steps * context * world_size)
+    checkpoint, args, world_size = setup.resume, setup.args, dist.get_world_size()
+    folder = Path(checkpoint.path).parent / str(checkpoint.get("sharded_state"))
+    if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
+        raise failures.UsageError(f"--resume {checkpoint.path}: its sharded training state {folder} is missing or "
+                                "incomplete (copy the model.dcp folder along with model.pth)")
+    checkpoints.check_continuation(checkpoint, args, setup.tokens_per_step)
     saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]
@@ -119,12 +120,11 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
               f"{steps_per_epoch} steps done) with the first window not yet trained on"
               + ("; ranks the checkpoint had no random state for draw new dropout masks."
                  if world_size > saved_world_size else "."))
-    del checkpoint["model"]  # the full weights: DCP reads this rank's shards of them instead
+    del checkpoint.contents["model"]  # the full weights: DCP reads this rank's shards of them instead
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
