@@ -281,12 +281,9 @@ def check_finite(loss, step, *eval_losses):
 
 
 def train_model(model, optimizer, loaders, setup, save_checkpoint):
-    """The training loop: returns where the run ends (progress.RunState), what metrics.json and the plot show.
-
-    `setup` is what the run is (progress.RunSetup: settings, device, FLOPs, the checkpoint of --resume...);
-    `save_checkpoint(progress)` writes model.pth. `run` keeps the books (progress.py): where the run is and where it
-    ends, the training clock and the wall clock's phases, the log lines, the stop signals.
-    """
+    """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
+    checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
+    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log, signals."""
     args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
     run = progress.TrainingProgress(setup, len(train_loader))
@@ -444,13 +441,12 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
-    setup = progress.RunSetup(
-        args, cfg, device, tokenizer, clock, resume,  # what the run is (train_model's): settings, model, FLOPs...
-        tokens_per_step=train_loader.batch_size * context * world_size,  # NEW (DDP)
-        flops_per_token=utilization.flops_per_token(cfg, tokenizer.n_vocab),
-        hardware_flops_per_token=sharding.hardware_flops_per_token(cfg, tokenizer.n_vocab,  # NEW (FSDP): HFU
-                                                                   args.activation_checkpointing),
-        peak_flops=utilization.peak_flops(device, precision, num_gpus=world_size))  # NEW (DDP): MFU per GPU
+    setup = progress.RunSetup(args, cfg, device, tokenizer, clock, resume,  # what the run is: train_model's plan
+                              tokens_per_step=train_loader.batch_size * context * world_size,  # NEW (DDP)
+                              flops_per_token=utilization.flops_per_token(cfg, tokenizer.n_vocab),
+                              hardware_flops_per_token=sharding.hardware_flops_per_token(  # NEW (FSDP): HFU
+                                  cfg, tokenizer.n_vocab, args.activation_checkpointing),
+                              peak_flops=utilization.peak_flops(device, precision, world_size))  # NEW (DDP): MFU per GPU
     print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(utilization.flops_line(setup.flops_per_token, utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))

@@ -3,7 +3,6 @@
 The same in every stage; nothing here is a step of the lesson.
 """
 
-import dataclasses
 import datetime
 import errno
 import json
@@ -172,19 +171,13 @@ CHECKPOINT_KEYS = ("model", "optimizer", "config", "settings", "script", "epoch"
                    "history", "rng", "tokens_per_step")
 
 
-@dataclasses.dataclass
-class Checkpoint:
-    """A checkpoint opened for --resume: the path given, what it holds (its tensors memory-mapped: read when used)
-    and the flags of this run that its settings filled (cli.resolve_settings; the resume line names them)."""
-    path: str
-    contents: dict
-    flags_taken: list = dataclasses.field(default_factory=list)
+class Checkpoint(dict):
+    """A checkpoint opened for --resume (its tensors memory-mapped: read when used), with the flags of this run
+    that its settings filled (cli.resolve_settings; the resume line names them)."""
 
-    def __getitem__(self, key):
-        return self.contents[key]
-
-    def get(self, key, default=None):
-        return self.contents.get(key, default)
+    def __init__(self, contents):
+        super().__init__(contents)
+        self.flags_taken = []
 
 
 def open_checkpoint(path, script):
@@ -194,7 +187,7 @@ def open_checkpoint(path, script):
     """
     import torch
 
-    given, path = path, Path(path)
+    path = Path(path)
     if path.is_dir():
         hint = f": resume {path / 'model.pth'}" if (path / "model.pth").is_file() else " (a run writes <out>/model.pth)"
         raise UsageError(f"--resume {path}: a folder, not a checkpoint file{hint}")
@@ -210,15 +203,15 @@ def open_checkpoint(path, script):
     if checkpoint["script"] != script:
         raise UsageError(f"--resume {path}: written by {checkpoint['script']}, not {script}: "
                          f"resume it with {checkpoint['script']}")
-    return Checkpoint(str(given), checkpoint)
+    return Checkpoint(checkpoint)
 
 
-def check_config(checkpoint, cfg):
+def check_config(checkpoint, path, cfg):
     """Refuse a checkpoint of another model configuration (exit code 2)."""
     for key, value in cfg.items():
         if checkpoint["config"].get(key) != value:
-            raise UsageError(f"--resume {checkpoint.path}: model {key} is {checkpoint['config'].get(key)} in the "
-                             f"checkpoint but {value} here (--tiny or --model given on one side only?)")
+            raise UsageError(f"--resume {path}: model {key} is {checkpoint['config'].get(key)} in the checkpoint "
+                             f"but {value} here (--tiny or --model given on one side only?)")
 
 
 def check_continuation(checkpoint, args, tokens_per_step):
@@ -227,14 +220,13 @@ def check_continuation(checkpoint, args, tokens_per_step):
     `tokens_per_step` is this run's global batch in tokens (--batch-size x --grad-accum-steps x processes x
     context). It must be the checkpoint's, however it is split: the steps done and the position in the epoch are
     counted in steps of that batch, and the learning rate was set for it."""
-    path = checkpoint.path
     if checkpoint["tokens_per_step"] != tokens_per_step:
         ours = cli.describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), cli.processes())
-        raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens per step"
-                         f"{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global batch, "
-                         "--batch-size x --grad-accum-steps x processes (how it is split may change)")
+        raise UsageError(f"--resume {args.resume}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens "
+                         f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
+                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)")
     if checkpoint["settings"].get("seed") != args.seed:
-        raise UsageError(f"--resume {path}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
+        raise UsageError(f"--resume {args.resume}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
                          "pass the same seed, so the batch order continues")
 
 

@@ -60,7 +60,7 @@ def model_config(args, config, tiny_config, resume=None):
         if args.tiny and "model" not in resume.flags_taken and args.model != saved:  # --tiny would ignore it
             raise UsageError(f"--resume {args.resume}: the checkpoint holds the --tiny model, and a run keeps its "
                              f"model: leave out --model {args.model}, or start a new run in another --out")
-        checkpoints.check_config(resume, cfg)
+        checkpoints.check_config(resume, args.resume, cfg)
     return cfg
 
 
@@ -139,8 +139,8 @@ def build_parser(description, settings, tiny_settings):
 
 
 def resolve_settings(args, settings, tiny_settings):
-    """Fill the flags left unset: from the checkpoint of --resume, else from the stage's (or --tiny's) settings.
-    Returns the arguments and the checkpoint opened for --resume (checkpoints.Checkpoint; None without it).
+    """Fill the flags left unset, from the checkpoint of --resume, else from the stage's (or --tiny's) settings;
+    returns the arguments and that checkpoint, opened (checkpoints.Checkpoint; None without --resume).
 
     The cheap checks come first, before the corpus is tokenized and the model is built: a missing or unreadable
     checkpoint, one of another stage, a --data file that cannot be read.

@@ -1,6 +1,5 @@
-"""The training loop's bookkeeping, the same in every stage: what a run is (RunSetup) and where it stands
-(RunState, also after --resume), where it ends, the training clock and the tokens it timed, the log lines with
-their history, the wall clock's phases of training, and the stop signals.
+"""The training loop's bookkeeping, the same in every stage: what a run is (RunSetup), where it stands (RunState,
+also after --resume) and where it ends, its clocks and the tokens timed, the log lines, the stop signals.
 
 The stage's loop keeps in view the lines its lesson changes (the step, the evaluation, what a checkpoint holds)
 and calls TrainingProgress around them: batches() and timed_step() for the step, log_due(), off_clock() and log()
@@ -19,10 +18,9 @@ import utilization
 
 @dataclasses.dataclass
 class RunSetup:
-    """What a run is: its settings (the command line, resolved), model config and device; the tokens of one
-    optimizer step (all processes'), the FLOPs per token MFU counts and the peak FLOP/s it is measured against
-    (None: unknown), and in 03 the hardware's FLOPs per token for HFU; the tokenizer of the sample, the wall clock,
-    and the checkpoint the run continues (--resume; None for a new run)."""
+    """What a run is: its settings (the command line, resolved), model config, device, tokenizer, wall clock and the
+    checkpoint it continues (--resume; None: a new run); the tokens of one optimizer step (all processes'), the FLOPs
+    per token MFU counts (in 03 the hardware's too, for HFU) and the peak FLOP/s they are measured against."""
     args: object
     config: dict
     device: object
@@ -35,11 +33,14 @@ class RunSetup:
     hardware_flops_per_token: "float | None" = None
 
 
+HISTORY = ("log", "tokens_seen", "timed_tokens", "timed_seconds")  # a checkpoint's "history" (and "steps")
+
+
 @dataclasses.dataclass
 class RunState:
     """Where a run stands: the epoch it is in (from 0), the optimizer steps and the epoch's batches done, and its
     history: the log (metrics.json's and the plot's), the tokens trained on, the tokens and seconds Avg tok/s
-    counts, and the folder of a profile. A checkpoint keeps it as plain values (checkpoint_entries())."""
+    counts, and the folder of a profile. A checkpoint keeps it as plain values (TrainingProgress.state())."""
     epoch: int = 0
     steps: int = 0
     batches_done: int = 0
@@ -52,16 +53,8 @@ class RunState:
     @classmethod
     def of(cls, checkpoint):
         """Where the checkpoint's run stood (a new run's start without one)."""
-        if checkpoint is None:
-            return cls()
-        history = checkpoint["history"]
-        return cls(checkpoint["epoch"], checkpoint["step"], checkpoint["batches_done"], history["log"],
-                   history["tokens_seen"], history["timed_tokens"], history["timed_seconds"])
-
-    def checkpoint_entries(self):
-        history = {"log": self.log, "tokens_seen": self.tokens_seen, "steps": self.steps,
-                   "timed_tokens": self.timed_tokens, "timed_seconds": self.timed_seconds}
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "step": self.steps, "history": history}
+        return cls(checkpoint["epoch"], checkpoint["step"], checkpoint["batches_done"],
+                   *(checkpoint["history"][key] for key in HISTORY)) if checkpoint else cls()
 
     def avg_tok_per_sec(self):
         """Tokens per second over every log interval but the first (None before the second)."""
@@ -74,14 +67,12 @@ class TrainingProgress:
 
     def __init__(self, setup, steps_per_epoch):
         args = self.args = setup.args
-        self.setup, self.device, self.wall_clock = setup, setup.device, setup.wall_clock
-        self.steps_per_epoch = steps_per_epoch
+        self.setup, self.wall_clock, self.steps_per_epoch = setup, setup.wall_clock, steps_per_epoch
         self.now = RunState.of(setup.resume)
         self.start_epoch, self.skip_batches = self.now.epoch, self.now.batches_done
         self.clock = timekeeping.TrainClock(setup.device)
         self.stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
-        self.stop_signum = 0
-        self.interval_tokens, self.first_interval, self.done = 0, True, False
+        self.stop_signum, self.interval_tokens, self.first_interval, self.done = 0, 0, True, False
         self.total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
         if self.now.steps >= self.total_steps:  # resumed at or past the limit: never train beyond it
             raise failures.NothingToTrain(
@@ -105,15 +96,11 @@ class TrainingProgress:
         self.clock.start()
         return batches
 
-    def doing(self):
-        """What the wall clock's line says during training."""
-        return f"training: epoch {self.now.epoch + 1}, step {self.now.steps}"
-
     @contextlib.contextmanager
     def timed_step(self):
         """One optimizer step on the training clock (a profiled step is slower: off it), then counted."""
         if self.wall_clock.phase_now != "training":
-            self.wall_clock.enter("training", self.doing)
+            self.wall_clock.enter("training", lambda: f"training: epoch {self.now.epoch + 1}, step {self.now.steps}")
         off_clock = self.inspector.off_clock(self.step + 1)
         if off_clock:
             self.clock.stop(wait=False)  # the events count queued kernels: let the GPU run on
@@ -170,7 +157,7 @@ class TrainingProgress:
             **({} if setup.hardware_flops_per_token is None else {"hfu": hfu}),  # MFU with a recomputed forward counted
         })
         if self.first_interval:
-            utilization.end_of_warm_up(self.device)  # the steady state's memory peaks count from here
+            utilization.end_of_warm_up(self.setup.device)  # the steady state's memory peaks count from here
         self.interval_tokens, self.first_interval = 0, False
 
     def save_due(self):
@@ -191,7 +178,9 @@ class TrainingProgress:
 
     def state(self):
         """What --resume needs of the loop: where the run is, its history, the random state."""
-        return {**self.now.checkpoint_entries(), "rng": checkpoints.rng_state(self.device)}
+        now, history = self.now, {"steps": self.now.steps, **{key: getattr(self.now, key) for key in HISTORY}}
+        return {"epoch": now.epoch, "batches_done": now.batches_done, "step": now.steps, "history": history,
+                "rng": checkpoints.rng_state(self.setup.device)}
 
     def finish(self):
         """At the end of training: where the run stands, with the profile's folder (if one was taken)."""

@@ -88,9 +88,8 @@ def _write_error(folder, err):
 
 
 def load_checkpoint(model, optimizer, setup, steps_per_epoch):
-    """--resume: model.pth, opened at the start (setup.resume, checked by checkpoints.check_continuation), then every
-    rank reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them to this world
-    size).
+    """--resume: model.pth (setup.resume, opened at the start), checked as checkpoints.check_continuation checks; then
+    every rank reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them).
 
     The global batch, --batch-size x --grad-accum-steps x processes (the train loader's batch, which holds the
     accumulation steps, times the processes), must be the checkpoint's; how it is split may change, the number
@@ -103,9 +102,9 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
     the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
     checkpoint, args, world_size = setup.resume, setup.args, dist.get_world_size()
-    folder = Path(checkpoint.path).parent / str(checkpoint.get("sharded_state"))
+    folder = Path(args.resume).parent / str(checkpoint.get("sharded_state"))
     if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
-        raise failures.UsageError(f"--resume {checkpoint.path}: its sharded training state {folder} is missing or "
+        raise failures.UsageError(f"--resume {args.resume}: its sharded training state {folder} is missing or "
                                 "incomplete (copy the model.dcp folder along with model.pth)")
     checkpoints.check_continuation(checkpoint, args, setup.tokens_per_step)
     saved_world_size = int(checkpoint.get("world_size", world_size))
@@ -120,7 +119,7 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
               f"{steps_per_epoch} steps done) with the first window not yet trained on"
               + ("; ranks the checkpoint had no random state for draw new dropout masks."
                  if world_size > saved_world_size else "."))
-    del checkpoint.contents["model"]  # the full weights: DCP reads this rank's shards of them instead
+    del checkpoint["model"]  # the full weights: DCP reads this rank's shards of them instead
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 
@@ -71,13 +72,10 @@ class TrainClock:
 class WallClock:
     """The wall clock of a run, split into WALL_CLOCK_PHASES where they happen: enter() at each boundary (a phase
     lasts until the next begins), phase() for a block inside another (a file written during evaluation), and
-    torch.compile's own start and end callbacks carve the compilation out of whatever it interrupted (the first
-    training step, the first evaluation, the lazily compiled backward pass).
-
-    While a phase or a compilation runs, a timer thread of its own says what the run is doing every `every_s`
-    seconds ("  ... evaluating (41 s since start)"); it ends with its phase. `doing` is a text or a function
-    that gives one when the line is printed.
-    """
+    torch.compile's own callbacks carve the compilation out of whatever it interrupted (the first training step,
+    the first evaluation, the lazily compiled backward pass). A phase or a compilation has a timer thread of its
+    own, which ends with it: every `every_s` seconds it says what the run is doing ("  ... evaluating (41 s since
+    start)"; `doing`: a text, or a function that gives one)."""
 
     current = None  # the process's wall clock, for the file writers that have none passed to them (`busy`)
     DOING = {"start-up": "starting", "evaluation": "evaluating", "sampling": "generating a sample",
@@ -87,16 +85,17 @@ class WallClock:
         self.every_s = every_s
         self.started = self._since = time.monotonic()
         self.seconds = dict.fromkeys(WALL_CLOCK_PHASES, 0.0)
-        self.seconds["start-up"] = process_age()  # the interpreter and the imports came before this object
-        self.imports = self.seconds["start-up"]  # start-up's first part: what ran before main() made this object
-        self.phase_now, self.doing, self.compiling, self._timer = "start-up", "starting", False, None
-        self._callbacks = None
+        # the interpreter and the imports came before this object: start-up's first part, "imports"
+        self.seconds["start-up"] = self.imports = process_age()
+        self.phase_now, self.doing, self.compiling = "start-up", "starting", False
+        self._timer, self._callbacks = None, []  # the current phase's timer thread; torch.compile's callbacks
         if "torch._dynamo" in sys.modules:  # a stage that compiles (01 on): time torch.compile as it reports itself
-            from torch._dynamo.callback import callback_handler
+            from torch._dynamo.callback import callback_handler as handler
 
-            self._callbacks = (callback_handler, lambda _: self._compiling(True), lambda _: self._compiling(False))
-            callback_handler.register_start_callback(self._callbacks[1])
-            callback_handler.register_end_callback(self._callbacks[2])
+            start, end = partial(self._compiling, True), partial(self._compiling, False)
+            handler.register_start_callback(start)
+            handler.register_end_callback(end)
+            self._callbacks = [(handler.remove_start_callback, start), (handler.remove_end_callback, end)]
         WallClock.current = self
 
     def enter(self, phase, doing=None):
@@ -117,7 +116,11 @@ class WallClock:
         finally:
             self.enter(*interrupted)
 
-    def _compiling(self, starting):
+    def said(self):
+        """A line was printed: the next line of a long phase comes `every_s` seconds after it."""
+        self._say_after_every(self.every_s)
+
+    def _compiling(self, starting, _callback_args):  # torch.compile starts or ends
         self._close()
         self.compiling = starting
         self._say_after_every(self.every_s)
@@ -128,20 +131,15 @@ class WallClock:
         self._since = now
 
     def stop(self):
-        """The clock stops (its timer thread ends, torch.compile's callbacks go) and gives the seconds since the
-        process started, by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of start-up before the
-        stage's main() began its set-up (the interpreter, the imports, the command line; in 02 and 03 the process
-        group's start too), so that the rest of start-up (the data, the model, the GPU's own start, the FLOP count)
-        shows; for metrics.json."""
+        """The clock stops (its timer thread ends, torch.compile's callbacks go). Returns, for metrics.json, the seconds
+        since the process started by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of start-up
+        before main() began its set-up (the interpreter, the imports, the command line; in 02 and 03 the process
+        group's start too), so that the rest (the data, the model, the GPU's own start, the FLOP count) shows."""
         self._close()
         self._say_after_every(None)
-        if self._callbacks:
-            handler, on_start, on_end = self._callbacks
-            handler.remove_start_callback(on_start)
-            handler.remove_end_callback(on_end)
-            self._callbacks = None
-        if WallClock.current is self:
-            WallClock.current = None
+        for remove, callback in self._callbacks:
+            remove(callback)
+        self._callbacks, WallClock.current = [], None
         split = {phase: round(seconds, 2) for phase, seconds in self.seconds.items()}
         return {**split, "total": round(sum(self.seconds.values()), 2), "imports": round(self.imports, 2)}
 
@@ -154,16 +152,13 @@ class WallClock:
         return f"compiling the {graph} (torch.compile): {doing}"
 
     def _say_after_every(self, seconds):
-        """The current phase's timer thread: the previous one ends; a new one prints the line after every `seconds`
-        of the phase (None: no new one)."""
-        if self._timer is not None:
-            stopped, thread = self._timer
-            stopped.set()
-            thread.join()
-        self._timer = None
-        if seconds is not None:
-            stopped = threading.Event()
-            self._timer = stopped, threading.Thread(target=self._say, args=(stopped, seconds), daemon=True)
+        """The previous timer thread ends; a new one (unless `seconds` is None) says its line every `seconds`."""
+        if self._timer:
+            self._timer[0].set()
+            self._timer[1].join()
+        stopped = threading.Event()
+        self._timer = seconds and (stopped, threading.Thread(target=self._say, args=(stopped, seconds), daemon=True))
+        if self._timer:
             self._timer[1].start()
 
     def _say(self, stopped, seconds):

@@ -117,6 +117,7 @@ def run_rung_main(args):
 
     def say(text):
         print(f"rung {number}: {text}", flush=True)
+        clock.said()  # the next line of a long quiet phase comes every ~10 s after this one
 
     try:
         device = devices.pick_device(args.device)
@@ -137,10 +138,10 @@ def run_rung_main(args):
         clock.enter("start-up", "opening the corpus")
         loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
-        clock.enter("training", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
+        clock.enter("start-up", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
         timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say,
                                fail_on_purpose=number in failing_rungs_for_testing())
-        clock.enter("checkpoints and outputs", "finishing")
+        clock.enter("start-up", "finishing")
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
         flops = utilization.flops_per_token(rung.cfg, REAL_VOCAB_SIZE)
         result["mfu"] = utilization.mfu(timing["tokens_per_sec"], flops, utilization.peak_flops(device, rung.precision))
