@@ -286,7 +286,7 @@ def check_finite(loss, step, *eval_losses):
 def train_model(model, optimizer, loaders, setup, save_checkpoint):
     """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
     checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
-    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log, signals."""
+    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
     args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
     run = progress.TrainingProgress(setup, len(train_loader))

@@ -257,7 +257,7 @@ def save_atomically(save, path):
     """files.save_atomically, with an OS error turned into an OutputError: one line naming the file and the
     error. The previous file stays whole and no temporary file is left (files.save_atomically sees to both)."""
     try:
-        with busy(f"writing {Path(path).name}"):  # the heartbeat says so, and the wall clock counts it as output
+        with busy(f"writing {Path(path).name}"):  # the wall clock counts it as output (and says so if long)
             files.save_atomically(save, path)
     except (OSError, RuntimeError) as raised:
         err = _os_error_in(raised)

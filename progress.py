@@ -33,14 +33,12 @@ class RunSetup:
     hardware_flops_per_token: "float | None" = None
 
 
-HISTORY = ("log", "tokens_seen", "timed_tokens", "timed_seconds")  # a checkpoint's "history" (and "steps")
-
-
 @dataclasses.dataclass
 class RunState:
     """Where a run stands: the epoch it is in (from 0), the optimizer steps and the epoch's batches done, and its
     history: the log (metrics.json's and the plot's), the tokens trained on, the tokens and seconds Avg tok/s
     counts, and the folder of a profile. A checkpoint keeps it as plain values (TrainingProgress.state())."""
+    HISTORY = ("log", "tokens_seen", "timed_tokens", "timed_seconds")  # a checkpoint's "history" (and "steps")
     epoch: int = 0
     steps: int = 0
     batches_done: int = 0
@@ -49,12 +47,6 @@ class RunState:
     timed_tokens: int = 0
     timed_seconds: float = 0.0
     profile: "str | None" = None
-
-    @classmethod
-    def of(cls, checkpoint):
-        """Where the checkpoint's run stood (a new run's start without one)."""
-        return cls(checkpoint["epoch"], checkpoint["step"], checkpoint["batches_done"],
-                   *(checkpoint["history"][key] for key in HISTORY)) if checkpoint else cls()
 
     def avg_tok_per_sec(self):
         """Tokens per second over every log interval but the first (None before the second)."""
@@ -68,7 +60,9 @@ class TrainingProgress:
     def __init__(self, setup, steps_per_epoch):
         args = self.args = setup.args
         self.setup, self.wall_clock, self.steps_per_epoch = setup, setup.wall_clock, steps_per_epoch
-        self.now = RunState.of(setup.resume)
+        resume = setup.resume  # where the checkpoint's run stood, or a new run's start
+        self.now = RunState(resume["epoch"], resume["step"], resume["batches_done"],
+                            *(resume["history"][key] for key in RunState.HISTORY)) if resume else RunState()
         self.start_epoch, self.skip_batches = self.now.epoch, self.now.batches_done
         self.clock = timekeeping.TrainClock(setup.device)
         self.stop = checkpoints.StopSignal()  # Ctrl-C, SIGTERM or SIGHUP: finish the step, save, exit
@@ -178,7 +172,7 @@ class TrainingProgress:
 
     def state(self):
         """What --resume needs of the loop: where the run is, its history, the random state."""
-        now, history = self.now, {"steps": self.now.steps, **{key: getattr(self.now, key) for key in HISTORY}}
+        now, history = self.now, {"steps": self.now.steps, **{key: getattr(self.now, key) for key in RunState.HISTORY}}
         return {"epoch": now.epoch, "batches_done": now.batches_done, "step": now.steps, "history": history,
                 "rng": checkpoints.rng_state(self.setup.device)}
 

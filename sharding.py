@@ -40,7 +40,7 @@ SHARDED_FOLDER = "model.dcp"  # beside model.pth
 def save_checkpoint(model, optimizer, checkpoint, path):
     """Every rank calls this. `checkpoint` holds the metadata and progress (the keys of checkpoints.CHECKPOINT_KEYS
     but the model and the optimizer); the weights and AdamW's state are added here."""
-    with timekeeping.busy("writing the sharded checkpoint"):  # the heartbeat says so; the wall clock counts it as output
+    with timekeeping.busy("writing the sharded checkpoint"):  # the wall clock counts it as output (and says so if long)
         _save_checkpoint(model, optimizer, checkpoint, path)
 
 

@@ -78,8 +78,7 @@ class WallClock:
     start)"; `doing`: a text, or a function that gives one)."""
 
     current = None  # the process's wall clock, for the file writers that have none passed to them (`busy`)
-    DOING = {"start-up": "starting", "evaluation": "evaluating", "sampling": "generating a sample",
-             "checkpoints and outputs": "writing outputs"}
+    DOING = {"evaluation": "evaluating", "sampling": "generating a sample", "checkpoints and outputs": "writing outputs"}
 
     def __init__(self, every_s=10.0):
         self.every_s = every_s
