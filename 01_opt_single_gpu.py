@@ -263,20 +263,19 @@ def check_finite(loss, step, *eval_losses):
                                    f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
 
 
-def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat, save_checkpoint, resume=None):
-    """The training loop: returns the history that metrics.json and the plot are made of.
-
-    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth. `run` keeps the books
-    (progress.py): where the run is and where it ends, the training clock, the log lines, the stop signals.
-    """
+def train_model(model, optimizer, loaders, setup, save_checkpoint):
+    """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
+    checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
+    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
+    args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
-    run = progress.TrainingProgress(args, device, speed, heartbeat, len(train_loader), resume)
+    run = progress.TrainingProgress(setup, len(train_loader))
     inspector = run.inspector  # --profile, --memory-snapshot: the step's regions are labelled in the trace
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
     # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
     scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
-    if resume and resume.get("scaler"):
-        scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
+    if setup.resume and setup.resume.get("scaler"):
+        scaler.load_state_dict(setup.resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
 
     for epoch in range(run.start_epoch, args.epochs):
         model.train()
@@ -295,7 +294,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     scaler.update()
 
             if run.log_due():  # every --eval-freq steps, and the last
-                with run.off_clock("evaluating"):  # evaluation is not training: keep it off the clock
+                with run.off_clock("evaluation"):  # evaluation is not training: keep it off the clock
                     train_loss, val_loss = evaluate_model(model, train_eval_loader,
                                                           val_loader, device, args.eval_iter)
                     check_finite(loss, run.step, train_loss, val_loss)
@@ -307,8 +306,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             if run.done:
                 break
 
-        run.pause("generating a sample")  # the sample is not training either
-        generate_and_print_sample(model, tokenizer, device,
+        run.pause("sampling")  # the sample is not training either
+        generate_and_print_sample(model, setup.tokenizer, device,
                                   start_context="Every effort moves you")
         if device.type == "cuda":
             print(f"Allocated memory: {torch.cuda.memory_allocated(device) / gpu_memory.GIB:.4f} GiB")
@@ -318,8 +317,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
     return run.finish()
 
 
-def plot_losses(history, path_stem):
-    log = history["log"]
+def plot_losses(log, path_stem):
     fig = Figure(figsize=(5, 3))
     ax1 = fig.subplots()
     epochs_seen = [entry["epochs_seen"] for entry in log]
@@ -344,9 +342,9 @@ def main():
     parser = cli.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
     parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (accumulation)
-    args = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    args, resume = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # --resume: its checkpoint
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
-    cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
+    cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG, resume)  # --model: the book's four GPT-2 sizes
     settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
     device = devices.pick_device(args.device)
     # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
@@ -356,13 +354,13 @@ def main():
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
     torch.backends.cuda.enable_cudnn_sdp(False)
     precision, precision_reason = devices.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
-    heartbeat = timekeeping.Heartbeat()
+    clock = timekeeping.WallClock()  # the time of each phase of the run, and a line every ~10 s of a long one
 
     print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason})")
 
     # Data: token shards, memory-mapped; by default the last 10% of the text validates
-    heartbeat.doing = "opening the corpus (a named corpus or a text file is tokenized once)"
+    clock.enter("start-up", "opening the corpus (a named corpus or a text file is tokenized once)")
     corpus = load_corpus(args.data)
     tokenizer = get_tokenizer()
     context = cfg["context_length"]
@@ -384,20 +382,20 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
-    speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context,
-             "flops_per_token": utilization.flops_per_token(cfg, tokenizer.n_vocab),
-             "peak_flops": utilization.peak_flops(device, precision)}
-    print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
+    setup = progress.RunSetup(args, cfg, device, tokenizer, clock, resume,  # what the run is: train_model's plan
+                              tokens_per_step=train_loader.batch_size * context,
+                              flops_per_token=utilization.flops_per_token(cfg, tokenizer.n_vocab),
+                              peak_flops=utilization.peak_flops(device, precision))
+    print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(gpu_memory.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
-    print(utilization.flops_line(speed["flops_per_token"], utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
+    print(utilization.flops_line(setup.flops_per_token, utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
     print(utilization.mfu_line(device, precision))
     if device.type == "cpu" and not args.tiny:
-        print(devices.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
+        print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 
-    resume = None
-    if args.resume:
-        resume = checkpoints.load_checkpoint(args, speed["tokens_per_step"])  # opened and checked at the start
+    if resume:  # opened at the start; checked here against this run's batch and seed
+        checkpoints.check_continuation(resume, args, setup.tokens_per_step)
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         checkpoints.restore_rng(resume["rng"], device)  # dropout continues where it left off
@@ -407,31 +405,29 @@ def main():
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
-                      "tokens_per_step": speed["tokens_per_step"], **progress}
+                      "tokens_per_step": setup.tokens_per_step, **progress}
         checkpoints.save_torch(checkpoint, out / "model.pth")
 
     start = time.time()
     try:
-        history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),
-                              device, args, speed, tokenizer, heartbeat, save_checkpoint, resume)
+        state = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader), setup, save_checkpoint)
     except torch.cuda.OutOfMemoryError:
         raise failures.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes")
 
     # Outputs: metrics.json, loss.pdf/png, model.pth
-    heartbeat.doing = "writing outputs"
-    avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
+    clock.enter("checkpoints and outputs")
     metrics = {
         "script": Path(__file__).name, "device": devices.describe_device(device), "precision": precision,
         "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
-        "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
-        "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
-        "mfu": utilization.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": 1,
+        "parameters": num_params, "steps": state.steps, "tokens_seen": state.tokens_seen,
+        "log": state.log, "avg_tok_per_sec": state.avg_tok_per_sec(), "profile": state.profile,
+        "mfu": utilization.mfu(state.avg_tok_per_sec(), setup.flops_per_token, setup.peak_flops), "world_size": 1,
         **gpu_memory.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
-    metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
+    metrics["wall_clock_s"] = clock.stop()  # since the process started: start-up, compilation, training, ...
     files.write_json(out / "metrics.json", metrics, checkpoints.save_atomically)
-    plot_losses(history, out / "loss")
+    plot_losses(state.log, out / "loss")
     if device.type == "cuda":  # the steady state's peaks beside the first interval's
         print(gpu_memory.peak_memory_line(metrics))
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")

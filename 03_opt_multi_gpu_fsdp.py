@@ -278,20 +278,19 @@ def check_finite(loss, step, *eval_losses):
                                    f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
 
 
-def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heartbeat, save_checkpoint, resume=None):
-    """The training loop: returns the history that metrics.json and the plot are made of.
-
-    `resume` is a checkpoint to continue from; `save_checkpoint(progress)` writes model.pth. `run` keeps the books
-    (progress.py): where the run is and where it ends, the training clock, the log lines, the stop signals.
-    """
+def train_model(model, optimizer, loaders, setup, save_checkpoint):
+    """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
+    checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
+    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
+    args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
-    run = progress.TrainingProgress(args, device, speed, heartbeat, len(train_loader), resume)
+    run = progress.TrainingProgress(setup, len(train_loader))
     inspector = run.inspector  # --profile, --memory-snapshot: the step's regions are labelled in the trace
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
     # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
     scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
-    if resume and resume.get("scaler"):
-        scaler.load_state_dict(resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
+    if setup.resume and setup.resume.get("scaler"):
+        scaler.load_state_dict(setup.resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
 
     for epoch in range(run.start_epoch, args.epochs):
         model.train()
@@ -312,11 +311,11 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
                     scaler.update()
 
             if run.log_due():  # every --eval-freq steps, and the last
-                with run.off_clock("evaluating"):  # evaluation is not training: keep it off the clock
+                with run.off_clock("evaluation"):  # evaluation is not training: keep it off the clock
                     train_loss, val_loss = evaluate_model(model, train_eval_loader,  # NEW (FSDP): itself
                                                           val_loader, device, args.eval_iter)
                     check_finite(loss, run.step, train_loss, val_loss)
-                    run.log(train_loss, val_loss, speed["hardware_flops_per_token"])  # NEW (FSDP): and HFU
+                    run.log(train_loss, val_loss)  # the log line and the history: losses, tok/s, MFU
             if run.save_due():  # every --save-every steps, the last, or a stop signal (which ends the run)
                 with run.saving():  # off the clock too
                     check_finite(loss, run.step)
@@ -324,8 +323,8 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
             if run.done:
                 break
 
-        run.pause("generating a sample")  # the sample is not training either
-        generate_and_print_sample(model, tokenizer, device,  # NEW (FSDP): the sharded model itself, every rank
+        run.pause("sampling")  # the sample is not training either
+        generate_and_print_sample(model, setup.tokenizer, device,  # NEW (FSDP): the sharded model itself, every rank
                                   start_context="Every effort moves you")
         if device.type == "cuda":
             print(f"Allocated memory: {torch.cuda.memory_allocated(device) / gpu_memory.GIB:.4f} GiB")
@@ -335,8 +334,7 @@ def train_model(model, optimizer, loaders, device, args, speed, tokenizer, heart
     return run.finish()
 
 
-def plot_losses(history, path_stem):
-    log = history["log"]
+def plot_losses(log, path_stem):
     fig = Figure(figsize=(5, 3))
     ax1 = fig.subplots()
     epochs_seen = [entry["epochs_seen"] for entry in log]
@@ -396,9 +394,9 @@ def main():
     parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (accumulation)
     parser.add_argument("--activation-checkpointing", action="store_true",  # NEW (FSDP)
                         help="recompute each block's activations in backward: less memory for ~1/3 more FLOPs")
-    args = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # with --resume: its settings
+    args, resume = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # --resume: its checkpoint
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
-    cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG)  # --model: the book's four GPT-2 sizes
+    cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG, resume)  # --model: the book's four GPT-2 sizes
     settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
     rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
     if rank != 0:
@@ -410,13 +408,13 @@ def main():
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
     torch.backends.cuda.enable_cudnn_sdp(False)
     precision, precision_reason = devices.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
-    heartbeat = timekeeping.Heartbeat()
+    clock = timekeeping.WallClock()  # the time of each phase of the run, and a line every ~10 s of a long one
 
     print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason}) | world size: {world_size}")  # NEW (DDP)
 
     # Data: token shards, memory-mapped; by default the last 10% of the text validates
-    heartbeat.doing = "opening the corpus (a named corpus or a text file is tokenized once)"
+    clock.enter("start-up", "opening the corpus (a named corpus or a text file is tokenized once)")
     corpus = load_corpus(args.data)
     tokenizer = get_tokenizer()
     context = cfg["context_length"]
@@ -441,22 +439,22 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
-    speed = {"context_length": context, "tokens_per_step": train_loader.batch_size * context * world_size,  # NEW (DDP)
-             "flops_per_token": utilization.flops_per_token(cfg, tokenizer.n_vocab),
-             "hardware_flops_per_token": sharding.hardware_flops_per_token(cfg, tokenizer.n_vocab,  # NEW (FSDP): HFU
-                                                                           args.activation_checkpointing),
-             "peak_flops": utilization.peak_flops(device, precision, num_gpus=world_size)}  # NEW (DDP): MFU per GPU
-    print(f"Model: {num_params:,} parameters | {speed['flops_per_token'] / 1e9:.2f} GFLOPs per token")
-    print(utilization.flops_line(speed["flops_per_token"], utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
+    setup = progress.RunSetup(args, cfg, device, tokenizer, clock, resume,  # what the run is: train_model's plan
+                              tokens_per_step=train_loader.batch_size * context * world_size,  # NEW (DDP)
+                              flops_per_token=utilization.flops_per_token(cfg, tokenizer.n_vocab),
+                              hardware_flops_per_token=sharding.hardware_flops_per_token(  # NEW (FSDP): HFU
+                                  cfg, tokenizer.n_vocab, args.activation_checkpointing),
+                              peak_flops=utilization.peak_flops(device, precision, world_size))  # NEW (DDP): MFU per GPU
+    print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
+    print(utilization.flops_line(setup.flops_per_token, utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
                             cfg, tokenizer.n_vocab))
     print(utilization.mfu_line(device, precision))
     memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
     if device.type == "cpu" and not args.tiny:
-        print(devices.cpu_speed_note(speed["flops_per_token"] * train_loader.batch_size * context, len(train_loader)))
+        print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 
-    resume = None
-    if args.resume:
-        resume = sharding.load_checkpoint(model, optimizer, args, cfg, len(train_loader))  # NEW (FSDP): its shards
+    if resume:
+        sharding.load_checkpoint(model, optimizer, setup, len(train_loader))  # NEW (FSDP): its shards
         checkpoints.restore_rng(checkpoints.rng_of_rank(resume["rng"], rank, args.seed), device)  # NEW (DDP): its own
         print(cli.resume_line(args, resume))
 
@@ -467,13 +465,13 @@ def main():
         progress["rng"] = rng_states
         checkpoint = {"config": cfg,  # NEW (FSDP): the weights and AdamW's state are added by sharding.save_checkpoint
                       "settings": settings, "script": Path(__file__).name,
-                      "tokens_per_step": speed["tokens_per_step"], **progress}
+                      "tokens_per_step": setup.tokens_per_step, **progress}
         sharding.save_checkpoint(model, optimizer, checkpoint, out / "model.pth")  # NEW (FSDP): shards beside it
 
     start = time.time()
     try:
-        history = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),  # NEW (FSDP)
-                              device, args, speed, tokenizer, heartbeat, save_checkpoint, resume)
+        state = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader),  # NEW (FSDP)
+                            setup, save_checkpoint)
     except torch.cuda.OutOfMemoryError:
         raise failures.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes")
@@ -482,20 +480,19 @@ def main():
         return  # NEW (DDP): only rank 0 writes files
 
     # Outputs: metrics.json, loss.pdf/png, model.pth
-    heartbeat.doing = "writing outputs"
-    avg_tok_per_sec = history["timed_tokens"] / history["timed_seconds"] if history["timed_seconds"] else None
+    clock.enter("checkpoints and outputs")
     metrics = {
         "script": Path(__file__).name, "device": devices.describe_device(device), "precision": precision,
         "torch": torch.__version__, "config": cfg, "settings": settings, "data": args.data,
-        "parameters": num_params, "steps": history["steps"], "tokens_seen": history["tokens_seen"],
-        "log": history["log"], "avg_tok_per_sec": avg_tok_per_sec, "profile": history.get("profile"),
-        "mfu": utilization.mfu(avg_tok_per_sec, speed["flops_per_token"], speed["peak_flops"]), "world_size": world_size,
+        "parameters": num_params, "steps": state.steps, "tokens_seen": state.tokens_seen,
+        "log": state.log, "avg_tok_per_sec": state.avg_tok_per_sec(), "profile": state.profile,
+        "mfu": utilization.mfu(state.avg_tok_per_sec(), setup.flops_per_token, setup.peak_flops), "world_size": world_size,
         "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory.as_json(),  # NEW (FSDP)
         **gpu_memory.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
-    metrics["wall_clock_s"] = heartbeat.wall_clock()  # since the process started: start-up, compilation, training, ...
+    metrics["wall_clock_s"] = clock.stop()  # since the process started: start-up, compilation, training, ...
     files.write_json(out / "metrics.json", metrics, checkpoints.save_atomically)
-    plot_losses(history, out / "loss")
+    plot_losses(state.log, out / "loss")
     if device.type == "cuda":  # the steady state's peaks beside the first interval's
         print(gpu_memory.peak_memory_line(metrics))
     print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")

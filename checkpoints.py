@@ -170,6 +170,15 @@ CHECKPOINT_KEYS = ("model", "optimizer", "config", "settings", "script", "epoch"
                    "history", "rng", "tokens_per_step")
 
 
+class Checkpoint(dict):
+    """A checkpoint opened for --resume (its tensors memory-mapped: read when used), with the flags of this run
+    that its settings filled (cli.resolve_settings; the resume line names them)."""
+
+    def __init__(self, contents):
+        super().__init__(contents)
+        self.flags_taken = []
+
+
 def open_checkpoint(path, script):
     """The checkpoint for --resume, checked as far as its header goes, before the corpus and the model are built.
 
@@ -193,7 +202,7 @@ def open_checkpoint(path, script):
     if checkpoint["script"] != script:
         raise UsageError(f"--resume {path}: written by {checkpoint['script']}, not {script}: "
                          f"resume it with {checkpoint['script']}")
-    return checkpoint
+    return Checkpoint(checkpoint)
 
 
 def check_config(checkpoint, path, cfg):
@@ -204,22 +213,20 @@ def check_config(checkpoint, path, cfg):
                              f"but {value} here (--tiny or --model given on one side only?)")
 
 
-def load_checkpoint(args, tokens_per_step):
-    """The checkpoint opened for --resume, refused (exit code 2) if this run's batch or seed cannot continue it.
+def check_continuation(checkpoint, args, tokens_per_step):
+    """Refuse (exit code 2) a checkpoint that this run's batch or seed cannot continue.
 
     `tokens_per_step` is this run's global batch in tokens (--batch-size x --grad-accum-steps x processes x
     context). It must be the checkpoint's, however it is split: the steps done and the position in the epoch are
     counted in steps of that batch, and the learning rate was set for it."""
-    checkpoint, path = args.checkpoint, args.resume
     if checkpoint["tokens_per_step"] != tokens_per_step:
         ours = cli.describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), cli.processes())
-        raise UsageError(f"--resume {path}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens per step"
-                         f"{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global batch, "
-                         "--batch-size x --grad-accum-steps x processes (how it is split may change)")
+        raise UsageError(f"--resume {args.resume}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens "
+                         f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
+                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)")
     if checkpoint["settings"].get("seed") != args.seed:
-        raise UsageError(f"--resume {path}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
+        raise UsageError(f"--resume {args.resume}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
                          "pass the same seed, so the batch order continues")
-    return checkpoint
 
 
 def _split_of(checkpoint):
@@ -249,7 +256,7 @@ def save_atomically(save, path):
     """files.save_atomically, with an OS error turned into an OutputError: one line naming the file and the
     error. The previous file stays whole and no temporary file is left (files.save_atomically sees to both)."""
     try:
-        with busy(f"writing {Path(path).name}"):  # the heartbeat says so, and the wall clock counts it as output
+        with busy(f"writing {Path(path).name}"):  # the wall clock counts it as output (and says so if long)
             files.save_atomically(save, path)
     except (OSError, RuntimeError) as raised:
         err = _os_error_in(raised)

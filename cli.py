@@ -49,18 +49,18 @@ MODEL_SIZES = {
 }
 
 
-def model_config(args, config, tiny_config):
-    """The model config of this run: --tiny's, or the stage's config at the size --model names. A checkpoint to
-    resume must hold the same config: checked here, before the corpus is read and the model built."""
+def model_config(args, config, tiny_config, resume=None):
+    """The model config of this run: --tiny's, or the stage's config at the size --model names. The checkpoint of
+    --resume (`resume`) must hold the same config: checked here, before the corpus is read and the model built."""
     cfg = dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
-    if args.resume:
+    if resume:
         import checkpoints
 
-        saved = args.checkpoint["settings"].get("model")
-        if args.tiny and "model" not in args.from_checkpoint and args.model != saved:  # --tiny would ignore it
+        saved = resume["settings"].get("model")
+        if args.tiny and "model" not in resume.flags_taken and args.model != saved:  # --tiny would ignore it
             raise UsageError(f"--resume {args.resume}: the checkpoint holds the --tiny model, and a run keeps its "
                              f"model: leave out --model {args.model}, or start a new run in another --out")
-        checkpoints.check_config(args.checkpoint, args.resume, cfg)
+        checkpoints.check_config(resume, args.resume, cfg)
     return cfg
 
 
@@ -139,7 +139,8 @@ def build_parser(description, settings, tiny_settings):
 
 
 def resolve_settings(args, settings, tiny_settings):
-    """Fill the flags left unset: from the checkpoint of --resume, else from the stage's (or --tiny's) settings.
+    """Fill the flags left unset, from the checkpoint of --resume, else from the stage's (or --tiny's) settings;
+    returns the arguments and that checkpoint, opened (checkpoints.Checkpoint; None without --resume).
 
     The cheap checks come first, before the corpus is tokenized and the model is built: a missing or unreadable
     checkpoint, one of another stage, a --data file that cannot be read.
@@ -147,17 +148,15 @@ def resolve_settings(args, settings, tiny_settings):
     import checkpoints
     from data.shards import check_data_source
 
-    args.checkpoint, args.from_checkpoint = None, []
-    if args.resume:
-        args.checkpoint = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name)
-        saved = args.checkpoint["settings"]
+    resume = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name) if args.resume else None
+    if resume:
         for flag, key in RESUMED_FLAGS:
-            if getattr(args, flag, False) is None and key in saved:  # False: a flag this stage does not have
-                setattr(args, flag, saved[key])
-                args.from_checkpoint.append(flag)
+            if getattr(args, flag, False) is None and key in resume["settings"]:  # False: a flag this stage lacks
+                setattr(args, flag, resume["settings"][key])
+                resume.flags_taken.append(flag)
         if args.out is None:
             args.out = str(Path(args.resume).parent)
-            args.from_checkpoint.append("out")
+            resume.flags_taken.append("out")
     for flag, value in PLAIN_DEFAULTS.items():
         if getattr(args, flag, False) is None:
             setattr(args, flag, value)
@@ -170,7 +169,7 @@ def resolve_settings(args, settings, tiny_settings):
         args.out = f"runs/{Path(sys.argv[0]).stem}"
     check_data_source(args.data)
     failures.resume_hint = continue_command(args)
-    return args
+    return args, resume
 
 
 def run_settings(args, settings, tiny_settings):
@@ -231,7 +230,7 @@ def check_splits(args, train_windows, val_windows, context):
 def resume_line(args, checkpoint):
     """The header line of a resumed run: where it continues and which settings came from the checkpoint."""
     flags = ", ".join(f"--{flag.replace('_', '-')}" + ("" if flag == "tiny" else f" {getattr(args, flag)}")
-                      for flag in args.from_checkpoint if flag != "tiny" or args.tiny)
+                      for flag in checkpoint.flags_taken if flag != "tiny" or args.tiny)
     return (f"Resuming {args.resume} after step {checkpoint['step'] - 1:06d} (epoch {checkpoint['epoch'] + 1})"
             + (f" | from the checkpoint: {flags}" if flags else ""))
 

@@ -40,7 +40,7 @@ SHARDED_FOLDER = "model.dcp"  # beside model.pth
 def save_checkpoint(model, optimizer, checkpoint, path):
     """Every rank calls this. `checkpoint` holds the metadata and progress (the keys of checkpoints.CHECKPOINT_KEYS
     but the model and the optimizer); the weights and AdamW's state are added here."""
-    with timekeeping.busy("writing the sharded checkpoint"):  # the heartbeat says so; the wall clock counts it as output
+    with timekeeping.busy("writing the sharded checkpoint"):  # the wall clock counts it as output (and says so if long)
         _save_checkpoint(model, optimizer, checkpoint, path)
 
 
@@ -87,9 +87,9 @@ def _write_error(folder, err):
                               "(model.pth and the folder it names) is kept")
 
 
-def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
-    """--resume: read model.pth (checkpoints.load_checkpoint's checks), then every rank reads its shards of the weights
-    and AdamW's state from the folder model.pth names (DCP reshards them to this world size).
+def load_checkpoint(model, optimizer, setup, steps_per_epoch):
+    """--resume: model.pth (setup.resume, opened at the start), checked as checkpoints.check_continuation checks; then
+    every rank reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them).
 
     The global batch, --batch-size x --grad-accum-steps x processes (the train loader's batch, which holds the
     accumulation steps, times the processes), must be the checkpoint's; how it is split may change, the number
@@ -101,12 +101,12 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
     written at, the run goes on exactly; at another, it goes on from the first window not yet trained on,
     the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
-    path, world_size, context = args.resume, dist.get_world_size(), cfg["context_length"]
-    folder = Path(path).parent / str(args.checkpoint.get("sharded_state"))  # opened at the start, memory-mapped
-    if not args.checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
-        raise failures.UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete "
-                                "(copy the model.dcp folder along with model.pth)")
-    checkpoint = checkpoints.load_checkpoint(args, args.batch_size * args.grad_accum_steps * context * world_size)
+    checkpoint, args, world_size = setup.resume, setup.args, dist.get_world_size()
+    folder = Path(args.resume).parent / str(checkpoint.get("sharded_state"))
+    if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
+        raise failures.UsageError(f"--resume {args.resume}: its sharded training state {folder} is missing or "
+                                "incomplete (copy the model.dcp folder along with model.pth)")
+    checkpoints.check_continuation(checkpoint, args, setup.tokens_per_step)
     saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]
@@ -124,7 +124,6 @@ def load_checkpoint(model, optimizer, args, cfg, steps_per_epoch):
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return checkpoint
 
 
 # ---------------------------------------------------------------------------------------------

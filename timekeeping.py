@@ -1,5 +1,5 @@
-"""Time: the training clock (training only, CUDA events on a GPU), the heartbeat that speaks during long silent
-waits, and the wall clock of a run split into its phases.
+"""Time: the training clock (training only, CUDA events on a GPU), and the wall clock of a run split into the
+phases where they happen, which says what the run is doing during a long one.
 """
 
 import contextlib
@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 
@@ -65,106 +66,104 @@ class TrainClock:
 
 
 # ---------------------------------------------------------------------------------------------
-# Heartbeat: a line every ~10 s while nothing else is printed (CPU steps, compilation, evaluation)
+# The wall clock, phase by phase, and a line every ~10 s of a long phase (CPU steps, compilation, evaluation)
 # ---------------------------------------------------------------------------------------------
 
-class _TimedStdout:
-    def __init__(self, stream):
-        self._stream = stream
-        self.last_write = time.monotonic()
+class WallClock:
+    """The wall clock of a run, split into WALL_CLOCK_PHASES where they happen: enter() at each boundary (a phase
+    lasts until the next begins), phase() for a block inside another (a file written during evaluation), and
+    torch.compile's own callbacks carve the compilation out of whatever it interrupted (the first training step,
+    the first evaluation, the lazily compiled backward pass). A phase or a compilation has a timer thread of its
+    own, which ends with it: every `every_s` seconds it says what the run is doing ("  ... evaluating (41 s since
+    start)"; `doing`: a text, or a function that gives one)."""
 
-    def write(self, text):
-        self.last_write = time.monotonic()
-        return self._stream.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-class Heartbeat:
-    """Say what the run is doing when it has printed nothing for `every_s` seconds, and keep its wall clock.
-
-    The stages name what they do (`heartbeat.doing = "evaluating"`); each activity's host time goes to one of
-    WALL_CLOCK_PHASES, and torch.compile's own callbacks carve the compilation out of whatever it interrupted
-    (the first training step, the first evaluation, the lazily compiled backward pass).
-    """
-
-    current = None  # the process's heartbeat, for the file writers that have none passed to them (`busy`)
+    current = None  # the process's wall clock, for the file writers that have none passed to them (`busy`)
+    DOING = {"evaluation": "evaluating", "sampling": "generating a sample", "checkpoints and outputs": "writing outputs"}
 
     def __init__(self, every_s=10.0):
-        self._doing = "starting"
         self.every_s = every_s
-        if not isinstance(sys.stdout, _TimedStdout):
-            sys.stdout = _TimedStdout(sys.stdout)
-        self._stdout = sys.stdout
-        self._started = time.monotonic()
-        self._phase_started = self._started
+        self.started = self._since = time.monotonic()
         self.seconds = dict.fromkeys(WALL_CLOCK_PHASES, 0.0)
-        self.seconds["start-up"] = process_age()  # the interpreter and the imports came before this object
-        self.imports = self.seconds["start-up"]  # start-up's first part: what ran before main() made this object
-        self.compiling = False
-        if "torch._dynamo" in sys.modules:  # a stage that compiles (01 on): say so while torch.compile works
-            from torch._dynamo.callback import callback_handler
+        # the interpreter and the imports came before this object: start-up's first part, "imports"
+        self.seconds["start-up"] = self.imports = process_age()
+        self.phase_now, self.doing, self.compiling = "start-up", "starting", False
+        self._timer, self._callbacks = None, []  # the current phase's timer thread; torch.compile's callbacks
+        if "torch._dynamo" in sys.modules:  # a stage that compiles (01 on): time torch.compile as it reports itself
+            from torch._dynamo.callback import callback_handler as handler
 
-            callback_handler.register_start_callback(lambda *_: self._compiling(True))
-            callback_handler.register_end_callback(lambda *_: self._compiling(False))
-        Heartbeat.current = self
-        threading.Thread(target=self._run, daemon=True).start()
+            start, end = partial(self._compiling, True), partial(self._compiling, False)
+            handler.register_start_callback(start)
+            handler.register_end_callback(end)
+            self._callbacks = [(handler.remove_start_callback, start), (handler.remove_end_callback, end)]
+        WallClock.current = self
 
-    @property
-    def doing(self):
-        return self._doing
-
-    @doing.setter
-    def doing(self, what):
+    def enter(self, phase, doing=None):
+        """From now until the next enter(), the run's time goes to `phase` (`doing`: what the line of a long phase
+        says; the phase's usual activity if None)."""
+        self._close()
+        self.phase_now, self.doing = phase, doing or self.DOING.get(phase, phase)
         if not self.compiling:
-            self._close_phase(self._phase_of(self._doing))
-        self._doing = what
+            self._say_after_every(self.every_s)
 
-    def _compiling(self, starting):
-        self._close_phase("compilation" if self.compiling else self._phase_of(self._doing))
+    @contextlib.contextmanager
+    def phase(self, phase, doing=None):
+        """The block's time goes to `phase`, then the phase it interrupted goes on."""
+        interrupted = self.phase_now, self.doing
+        self.enter(phase, doing)
+        try:
+            yield
+        finally:
+            self.enter(*interrupted)
+
+    def said(self):
+        """A line was printed: the next line of a long phase comes `every_s` seconds after it."""
+        self._say_after_every(self.every_s)
+
+    def _compiling(self, starting, _callback_args):  # torch.compile starts or ends
+        self._close()
         self.compiling = starting
+        self._say_after_every(self.every_s)
 
-    def _phase_of(self, doing):
-        if doing.startswith("training"):
-            return "training"
-        if doing.startswith("evaluating"):
-            return "evaluation"
-        if doing.startswith("generating"):
-            return "sampling"
-        if doing.startswith("writing"):
-            return "checkpoints and outputs"
-        return "start-up" if self.seconds["training"] == 0 else "checkpoints and outputs"
-
-    def _close_phase(self, phase):
+    def _close(self):
         now = time.monotonic()
-        self.seconds[phase] += now - self._phase_started
-        self._phase_started = now
+        self.seconds["compilation" if self.compiling else self.phase_now] += now - self._since
+        self._since = now
 
-    def wall_clock(self):
-        """Seconds since the process started, by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of
-        start-up before the stage's main() began its set-up (the interpreter, the imports, the command line; in 02
-        and 03 the process group's start too), so that the rest of start-up (the data, the model, the GPU's own
-        start, the FLOP count) shows; for metrics.json."""
-        self._close_phase("compilation" if self.compiling else self._phase_of(self._doing))
+    def stop(self):
+        """The clock stops (its timer thread ends, torch.compile's callbacks go). Returns, for metrics.json, the seconds
+        since the process started by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of start-up
+        before main() began its set-up (the interpreter, the imports, the command line; in 02 and 03 the process
+        group's start too), so that the rest (the data, the model, the GPU's own start, the FLOP count) shows."""
+        self._close()
+        self._say_after_every(None)
+        for remove, callback in self._callbacks:
+            remove(callback)
+        self._callbacks, WallClock.current = [], None
         split = {phase: round(seconds, 2) for phase, seconds in self.seconds.items()}
         return {**split, "total": round(sum(self.seconds.values()), 2), "imports": round(self.imports, 2)}
 
     def describe(self):
-        """What the run is doing now, e.g. "compiling the training graph (torch.compile): epoch 1, step 0"."""
+        """What the run is doing now, e.g. "compiling the training graph (torch.compile): training: epoch 1, step 0"."""
+        doing = self.doing() if callable(self.doing) else self.doing
         if not self.compiling:
-            return self.doing
-        graph = ("training graph" if self.doing.startswith("training") else
-                 "evaluation graph" if self.doing.startswith("evaluating") else "graph")
-        return f"compiling the {graph} (torch.compile): {self.doing}"
+            return doing
+        graph = {"training": "training graph", "evaluation": "evaluation graph"}.get(self.phase_now, "graph")
+        return f"compiling the {graph} (torch.compile): {doing}"
 
-    def _run(self):
-        while True:
-            time.sleep(1.0)
-            quiet = time.monotonic() - self._stdout.last_write
-            if quiet >= self.every_s:
-                elapsed = time.monotonic() - self._started
-                print(f"  ... {self.describe()} ({elapsed:.0f} s since start)", flush=True)
+    def _say_after_every(self, seconds):
+        """The previous timer thread ends; a new one (unless `seconds` is None) says its line every `seconds`."""
+        if self._timer:
+            self._timer[0].set()
+            self._timer[1].join()
+        stopped = threading.Event()
+        self._timer = seconds and (stopped, threading.Thread(target=self._say, args=(stopped, seconds), daemon=True))
+        if self._timer:
+            self._timer[1].start()
+
+    def _say(self, stopped, seconds):
+        main = threading.main_thread()  # a run that fails ends its phase with the process: so does this thread
+        while not stopped.wait(seconds) and main.is_alive():
+            print(f"  ... {self.describe()} ({time.monotonic() - self.started:.0f} s since start)", flush=True)
 
 
 WALL_CLOCK_PHASES = ("start-up", "compilation", "training", "evaluation", "sampling", "checkpoints and outputs")
@@ -181,19 +180,11 @@ def process_age():
         return 0.0
 
 
-@contextlib.contextmanager
 def busy(what):
-    """Tell the heartbeat (if any) what a long call is doing, e.g. "writing model.pth", then go back."""
-    heartbeat = Heartbeat.current
-    if heartbeat is None:
-        yield
-        return
-    before = heartbeat.doing
-    heartbeat.doing = what
-    try:
-        yield
-    finally:
-        heartbeat.doing = before
+    """A long call that writes a file, e.g. "writing model.pth": its time goes to "checkpoints and outputs" on the
+    process's wall clock (if there is one), then the phase it interrupted goes on."""
+    clock = WallClock.current
+    return contextlib.nullcontext() if clock is None else clock.phase("checkpoints and outputs", what)
 
 
 def wall_clock_line(split):

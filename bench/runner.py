@@ -109,17 +109,18 @@ def run_rung_main(args):
 
     number = args.run_rung
     result = {"rung": number, "error": None}
-    heartbeat = timekeeping.Heartbeat()  # a line every ~10 s of silence (compilation is long and quiet)
+    clock = timekeeping.WallClock()  # a line every ~10 s of a long phase (compilation is long and quiet)
     device = None
 
     def say(text):
         print(f"rung {number}: {text}", flush=True)
+        clock.said()  # the next line of a long quiet phase comes every ~10 s after this one
 
     try:
         device = devices.pick_device(args.device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        heartbeat.doing = "composing the rung from the stage scripts"
+        clock.enter("start-up", "composing the rung from the stage scripts")
         rungs.apply_options(args.option)  # --option: measured options, switched on before anything compiles
         rung = rungs.compose(number, device, args.tiny, seed=args.seed, model=args.model,
                              batch_size=args.batch_size, options=args.option, context_length=args.context_length)
@@ -131,12 +132,12 @@ def run_rung_main(args):
             f"{rung.cfg['context_length']} tokens | precision {rung.precision} | "
             f"{devices.describe_device(device)}" + "".join(f" | {note}" for note in rung.notes))
 
-        heartbeat.doing = "opening the corpus"
+        clock.enter("start-up", "opening the corpus")
         loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
-        heartbeat.doing = "warming up" + (" (the first step compiles the model)" if number >= 8 else "")
+        clock.enter("start-up", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
         timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say)
-        heartbeat.doing = "finishing"
+        clock.enter("start-up", "finishing")
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
         flops = utilization.flops_per_token(rung.cfg, REAL_VOCAB_SIZE)
         result["mfu"] = utilization.mfu(timing["tokens_per_sec"], flops, utilization.peak_flops(device, rung.precision))

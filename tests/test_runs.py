@@ -176,61 +176,82 @@ def test_a_read_only_checkout_trains_and_caches_in_the_users_cache(small_text):
 # ---------------------------------------------------------------------------------------------
 
 def test_the_progress_line_says_when_and_what_torch_compile_compiles():
-    import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their heartbeat starts)
+    import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their wall clock starts)
 
     import timekeeping
 
-    heartbeat = timekeeping.Heartbeat(every_s=3600)  # no line of its own during the test
+    clock = timekeeping.WallClock(every_s=3600)  # no line of its own during the test
     seen = []
 
     def backend(graph_module, example_inputs):  # runs while torch.compile compiles: what would the line say?
-        seen.append(heartbeat.describe())
+        seen.append(clock.describe())
         return graph_module.forward
 
-    heartbeat.doing = "training: epoch 1, step 0"
+    clock.enter("training", "training: epoch 1, step 0")
     torch.compile(lambda x: torch.sin(x) + 1, backend=backend)(torch.ones(3))
     assert seen == ["compiling the training graph (torch.compile): training: epoch 1, step 0"], seen
-    assert heartbeat.describe() == "training: epoch 1, step 0"  # compiled: back to the plain activity
-    heartbeat.doing = "evaluating"
+    assert clock.describe() == "training: epoch 1, step 0"  # compiled: back to the plain activity
+    clock.enter("evaluation")
     torch.compile(lambda x: torch.cos(x) * 2, backend=backend)(torch.ones(3))
     assert seen[-1].startswith("compiling the evaluation graph"), seen
+    clock.stop()
 
 
 def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_interrupted():
-    import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their heartbeat starts)
+    import torch._dynamo  # noqa: F401  (imported by the stages that compile, before their wall clock starts)
 
     import timekeeping
 
-    heartbeat = timekeeping.Heartbeat(every_s=3600)
+    clock = timekeeping.WallClock(every_s=3600)
 
     def slow_backend(graph_module, example_inputs):  # a compilation that takes 0.6 s
         time.sleep(0.6)
         return graph_module.forward
 
-    heartbeat.doing = "training: epoch 1, step 0"
+    clock.enter("training", "training: epoch 1, step 0")
     time.sleep(0.2)
     torch.compile(lambda x: torch.tan(x) - 1, backend=slow_backend)(torch.ones(3))
-    heartbeat.doing = "evaluating"
+    clock.enter("evaluation")
     time.sleep(0.1)
     with timekeeping.busy("writing model.pth"):
         time.sleep(0.1)
-    assert heartbeat.doing == "evaluating"  # back to what it was doing
-    heartbeat.doing = "generating a sample"
-    split = heartbeat.wall_clock()
+    assert (clock.phase_now, clock.describe()) == ("evaluation", "evaluating")  # back to what it was doing
+    clock.enter("sampling")
+    split = clock.stop()
     assert 0.6 <= split["compilation"] < 1.2, split
     assert 0.2 <= split["training"] < 0.75, split  # without the 0.6 s compilation it started
     assert 0.1 <= split["evaluation"] < 0.6 and 0.1 <= split["checkpoints and outputs"] < 0.6, split
     assert abs(split["total"] - timekeeping.process_age()) < 0.1, split  # the whole life of the process, start-up too
 
 
+def test_a_long_phase_says_what_it_does_from_a_thread_that_ends_with_it(capsys):
+    import threading
+
+    import timekeeping
+
+    stdout, before = sys.stdout, set(threading.enumerate())
+    clock = timekeeping.WallClock(every_s=0.2)
+    clock.enter("evaluation")
+    time.sleep(0.5)  # two lines
+    evaluations = set(threading.enumerate()) - before
+    clock.enter("sampling")
+    assert len(evaluations) == 1 and not any(thread.is_alive() for thread in evaluations)  # ended with its phase
+    split = clock.stop()
+    assert not set(threading.enumerate()) - before and sys.stdout is stdout  # nothing left running, stdout untouched
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("  ... evaluating (") and line.endswith(" s since start)")
+                                   for line in lines), lines
+    assert split["evaluation"] >= 0.5 and timekeeping.WallClock.current is None, split
+
+
 def test_start_up_says_how_much_of_it_came_before_main_began_its_set_up():
     import timekeeping
 
-    heartbeat = timekeeping.Heartbeat(every_s=3600)
+    clock = timekeeping.WallClock(every_s=3600)
     before = timekeeping.process_age()
     time.sleep(0.2)  # the stage's set-up: the data, the model, the GPU's own start
-    heartbeat.doing = "training: epoch 1, step 0"
-    split = heartbeat.wall_clock()
+    clock.enter("training", "training: epoch 1, step 0")
+    split = clock.stop()
     assert split["imports"] <= before + 0.05 and split["start-up"] >= split["imports"] + 0.19, split  # rounded to 0.01
     assert f"start-up {split['start-up']:.1f} s (imports {split['imports']:.1f} s) + compilation" in (
         timekeeping.wall_clock_line(split))
