@@ -368,7 +368,7 @@ def main():
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 
     if resume:  # opened at the start; checked here against this run's batch and seed
-        checkpoints.check_continuation(resume, args, setup.tokens_per_step)
+        cli.check_continuation(resume, args, setup.tokens_per_step)
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         checkpoints.restore_rng(resume["rng"], device)  # dropout continues where it left off

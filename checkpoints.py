@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import cli
 import failures
 from data import files
 from failures import OutputError, UsageError
@@ -203,41 +202,6 @@ def open_checkpoint(path, script):
         raise UsageError(f"--resume {path}: written by {checkpoint['script']}, not {script}: "
                          f"resume it with {checkpoint['script']}")
     return Checkpoint(checkpoint)
-
-
-def check_config(checkpoint, path, cfg):
-    """Refuse a checkpoint of another model configuration (exit code 2)."""
-    for key, value in cfg.items():
-        if checkpoint["config"].get(key) != value:
-            raise UsageError(f"--resume {path}: model {key} is {checkpoint['config'].get(key)} in the checkpoint "
-                             f"but {value} here (--tiny or --model given on one side only?)")
-
-
-def check_continuation(checkpoint, args, tokens_per_step):
-    """Refuse (exit code 2) a checkpoint that this run's batch or seed cannot continue.
-
-    `tokens_per_step` is this run's global batch in tokens (--batch-size x --grad-accum-steps x processes x
-    context). It must be the checkpoint's, however it is split: the steps done and the position in the epoch are
-    counted in steps of that batch, and the learning rate was set for it."""
-    if checkpoint["tokens_per_step"] != tokens_per_step:
-        ours = cli.describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), cli.processes())
-        raise UsageError(f"--resume {args.resume}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens "
-                         f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
-                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)")
-    if checkpoint["settings"].get("seed") != args.seed:
-        raise UsageError(f"--resume {args.resume}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
-                         "pass the same seed, so the batch order continues")
-
-
-def _split_of(checkpoint):
-    """" (4 x 2 accumulation steps x 2 processes = 16 sequences)": how the checkpoint's global batch was split, from
-    its settings and its tokens per step; empty where they do not tell."""
-    settings, context = checkpoint["settings"], checkpoint["config"].get("context_length")
-    batch_size, accum_steps = settings.get("batch_size"), settings.get("grad_accum_steps", 1)
-    sequences, rest = divmod(checkpoint["tokens_per_step"], context or 1)
-    if not (batch_size and accum_steps and context) or rest or sequences % (batch_size * accum_steps):
-        return ""
-    return f" ({cli.describe_split(batch_size, accum_steps, sequences // (batch_size * accum_steps))})"
 
 
 # What to do when an output cannot be written, by the OS error's number.

@@ -9,7 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+import checkpoints
 import failures
+import inspection
 from failures import UsageError
 
 
@@ -54,13 +56,11 @@ def model_config(args, config, tiny_config, resume=None):
     --resume (`resume`) must hold the same config: checked here, before the corpus is read and the model built."""
     cfg = dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
     if resume:
-        import checkpoints
-
         saved = resume["settings"].get("model")
         if args.tiny and "model" not in resume.flags_taken and args.model != saved:  # --tiny would ignore it
             raise UsageError(f"--resume {args.resume}: the checkpoint holds the --tiny model, and a run keeps its "
                              f"model: leave out --model {args.model}, or start a new run in another --out")
-        checkpoints.check_config(resume, args.resume, cfg)
+        check_config(resume, args.resume, cfg)
     return cfg
 
 
@@ -83,8 +83,6 @@ def build_parser(description, settings, tiny_settings):
     Flags a resumed run can take from its checkpoint default to None here, so that resolve_settings() can tell
     a flag given again from one left out.
     """
-    import inspection
-
     parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                            allow_abbrev=False)  # --max-step must be an error, not --max-steps
     script = Path(sys.argv[0]).stem
@@ -145,7 +143,6 @@ def resolve_settings(args, settings, tiny_settings):
     The cheap checks come first, before the corpus is tokenized and the model is built: a missing or unreadable
     checkpoint, one of another stage, a --data file that cannot be read.
     """
-    import checkpoints
     from data.shards import check_data_source
 
     resume = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name) if args.resume else None
@@ -225,6 +222,41 @@ def check_splits(args, train_windows, val_windows, context):
     if val_windows == 0:
         raise UsageError(f"the validation split of '{args.data}' is shorter than one window of {context + 1} tokens: "
                          "use a longer text (or prepare it with a larger --val-fraction)")
+
+
+def check_config(checkpoint, path, cfg):
+    """Refuse a checkpoint of another model configuration (exit code 2)."""
+    for key, value in cfg.items():
+        if checkpoint["config"].get(key) != value:
+            raise UsageError(f"--resume {path}: model {key} is {checkpoint['config'].get(key)} in the checkpoint "
+                             f"but {value} here (--tiny or --model given on one side only?)")
+
+
+def check_continuation(checkpoint, args, tokens_per_step):
+    """Refuse (exit code 2) a checkpoint that this run's batch or seed cannot continue.
+
+    `tokens_per_step` is this run's global batch in tokens (--batch-size x --grad-accum-steps x processes x
+    context). It must be the checkpoint's, however it is split: the steps done and the position in the epoch are
+    counted in steps of that batch, and the learning rate was set for it."""
+    if checkpoint["tokens_per_step"] != tokens_per_step:
+        ours = describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), processes())
+        raise UsageError(f"--resume {args.resume}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens "
+                         f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
+                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)")
+    if checkpoint["settings"].get("seed") != args.seed:
+        raise UsageError(f"--resume {args.resume}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
+                         "pass the same seed, so the batch order continues")
+
+
+def _split_of(checkpoint):
+    """" (4 x 2 accumulation steps x 2 processes = 16 sequences)": how the checkpoint's global batch was split, from
+    its settings and its tokens per step; empty where they do not tell."""
+    settings, context = checkpoint["settings"], checkpoint["config"].get("context_length")
+    batch_size, accum_steps = settings.get("batch_size"), settings.get("grad_accum_steps", 1)
+    sequences, rest = divmod(checkpoint["tokens_per_step"], context or 1)
+    if not (batch_size and accum_steps and context) or rest or sequences % (batch_size * accum_steps):
+        return ""
+    return f" ({describe_split(batch_size, accum_steps, sequences // (batch_size * accum_steps))})"
 
 
 def resume_line(args, checkpoint):

@@ -88,7 +88,7 @@ def _write_error(folder, err):
 
 
 def load_checkpoint(model, optimizer, setup, steps_per_epoch):
-    """--resume: model.pth (setup.resume, opened at the start), checked as checkpoints.check_continuation checks; then
+    """--resume: model.pth (setup.resume, opened at the start), checked as cli.check_continuation checks; then
     every rank reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them).
 
     The global batch, --batch-size x --grad-accum-steps x processes (the train loader's batch, which holds the
@@ -106,7 +106,7 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
     if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
         raise failures.UsageError(f"--resume {args.resume}: its sharded training state {folder} is missing or "
                                 "incomplete (copy the model.dcp folder along with model.pth)")
-    checkpoints.check_continuation(checkpoint, args, setup.tokens_per_step)
+    cli.check_continuation(checkpoint, args, setup.tokens_per_step)
     saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]
