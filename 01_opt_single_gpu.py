@@ -347,8 +347,8 @@ def main():
     cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG, resume)  # --model: the book's four GPT-2 sizes
     settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
     device = devices.pick_device(args.device)
-    # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
-    # none). From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
+    # NEW (step 2): float32 matmuls on TF32 tensor cores (compute capability 8.0 and newer; older GPUs have none).
+    # From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
     torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
     # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)

@@ -401,8 +401,8 @@ def main():
     rank, world_size, device = setup_distributed(args.device)  # NEW (DDP)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
-    # NEW (step 2): float32 matmuls on TF32 tensor cores (GPUs of compute capability 8.0 and newer; older ones have
-    # none). From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
+    # NEW (step 2): float32 matmuls on TF32 tensor cores (compute capability 8.0 and newer; older GPUs have none).
+    # From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
     torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
     # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)

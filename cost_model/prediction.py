@@ -199,11 +199,13 @@ def readme_table(tables):
                                                 range(1, 11)) + f" | {found[10]:,.0f} |")
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
-        "and six efficiencies fitted on the H200's ladder and profile; on the H100, unseen by the fit, the error per "
-        f"measured rung is {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other generations: an "
-        "extrapolation; T4, V100: fp16; A10: the peak table's row (\"A10G\" does not match it). [Memory, smaller "
-        "batches, the method](docs/roofline.md#predictions-for-your-gpu).",
-        width=115, break_on_hyphens=False)
+        "and six numbers fitted on the H200's ladder and profile (a share of the peak per kind of work, a cost per "
+        "kernel launch: so a gain can differ from the ceiling's in a step's Why). On the H100, unseen by the fit, the "
+        f"error per measured rung is {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other generations: an "
+        "extrapolation; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing; A10: the peak table's "
+        "row "
+        "(not \"A10G\"). [The method](docs/roofline.md#predictions-for-your-gpu).",
+        width=118, break_on_hyphens=False)
     return "\n".join(lines)
 
 
