@@ -222,6 +222,15 @@ def shipped_roofline(device_name, settings, say):
     return None
 
 
+def _no_roofline(device_name, path, say):
+    """None, saying how to get the ceilings and predictions of a GPU of the peak table that nothing here models."""
+    if utilization.peak_row(str(device_name)):
+        say(f"No ceiling or prediction column: no roofline here models the {device_name} at these settings; "
+            f"python cost_model/roofline.py --gpu '{device_name}' --predict --out {path.parent} (with the ladder's "
+            "--model and --batch-size) writes one there, and python bench/report.py renders the table again")
+    return None
+
+
 def find_roofline(out, explicit, device_name, settings, say=print):
     """The roofline to set beside the rungs, or None.
 
@@ -240,7 +249,7 @@ def find_roofline(out, explicit, device_name, settings, say=print):
         return roofline
     path = Path(out) / ROOFLINE_NAME
     if not path.exists():
-        return shipped_roofline(device_name, settings, say)
+        return shipped_roofline(device_name, settings, say) or _no_roofline(device_name, path, say)
     try:
         roofline = read_roofline(path)
     except ValueError as err:

@@ -602,7 +602,11 @@ def test_without_a_roofline_in_the_folder_the_one_shipped_for_the_gpu_is_used(tm
     assert report.find_roofline(tmp_path, None, "NVIDIA H100 PCIe", settings, say=said.append) is None
     assert report.find_roofline(tmp_path, None, "NVIDIA H100 80GB HBM3", {**settings, "batch_size": 8},
                                 say=said.append) is None
-    assert len(said) == 2
+    # none shipped for it: the line says the command that writes one into the results folder; a CPU has none
+    assert report.find_roofline(tmp_path, None, "NVIDIA GeForce RTX 4090", settings, say=said.append) is None
+    assert report.find_roofline(tmp_path, None, "cpu", settings, say=said.append) is None
+    assert len(said) == 5 and all(line.startswith("No ceiling or prediction column") for line in said[2:])
+    assert f"--gpu 'NVIDIA GeForce RTX 4090' --predict --out {tmp_path}" in said[4]
 
 
 def test_report_py_rebuilds_a_table_with_the_ceiling_beside_it(tmp_path, capsys):
