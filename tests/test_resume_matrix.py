@@ -265,7 +265,9 @@ def test_a_changed_global_batch_is_refused_once_per_launch(matrix):
                       "split may change)"], stderr[-3000:]
     assert not [line for line in stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
     exit_codes = [line.split(":")[1].split()[0] for line in stderr.splitlines() if line.strip().startswith("exitcode")]
-    assert exit_codes and set(exit_codes) == {"2"}, stderr[-3000:]  # torchrun's report: every rank it lists exited 2
+    # torchrun's report: the first rank to end exited 2, and every other rank it lists exited 2 too, or was still on
+    # its way there when torchrun stopped it (-15, SIGTERM: which rank ends first is a race on a busy machine)
+    assert exit_codes and exit_codes[-1] == "2" and set(exit_codes) <= {"2", "-15"}, stderr[-3000:]
     assert (root / REFUSED / "model.pth").read_bytes() == before  # nothing written
 
 
