@@ -119,17 +119,26 @@ def fitted_for(gpu, counted_steps=None):
     order = [gen for _, gen in GENERATIONS]
     mine = next((gen for pattern, gen in GENERATIONS if re.search(pattern, gpu.name, re.IGNORECASE)), None)
     fitted_gen = mine if mine in FITS else min(FITS, key=lambda gen: abs(order.index(gen) - order.index(mine or gen)))
-    folder, fit_gpu = FITS[fitted_gen]
-    measured, profile = measured_ladders(fit_gpu)[0][folder], profiled_seconds(folder)
-    table = build_roofline(find_gpu(fit_gpu), counted_steps=counted_steps)
-    fitted = fit(table, measured, profile)
-    fitted["how"] = (f"{mine} GPU, fitted on {mine}" if mine == fitted_gen else
-                     f"{mine or 'unknown'} GPU: the {fitted_gen} fit, the nearest generation measured"
-                     + ("" if mine and order.index(mine) > order.index(fitted_gen) else ", an extrapolation"))
-    fitted["fitted_on"] = [f"bench/results/{folder}: the {fit_gpu}'s rungs {rung_ranges(measured, '-')}, and "
-                           f"profile/ (GPU time per class of rung {PROFILED_RUNG})"]
-    fitted["profile_check"] = profile_check(table["rungs"][PROFILED_RUNG], fitted, profile)
-    return fitted
+    how = (f"{mine} GPU, fitted on {mine}" if mine == fitted_gen else
+           f"{mine or 'unknown'} GPU: the {fitted_gen} fit, the nearest generation measured"
+           + ("" if mine and order.index(mine) > order.index(fitted_gen) else ", an extrapolation"))
+    return {**_fit_of(fitted_gen, counted_steps), "how": how}
+
+
+_FITTED = {}  # generation: its fit, made once per process however many GPUs are predicted from it
+
+
+def _fit_of(generation, counted_steps):
+    if generation not in _FITTED:
+        folder, fit_gpu = FITS[generation]
+        measured, profile = measured_ladders(fit_gpu)[0][folder], profiled_seconds(folder)
+        table = build_roofline(find_gpu(fit_gpu), counted_steps=counted_steps)
+        fitted = fit(table, measured, profile)
+        fitted["fitted_on"] = [f"bench/results/{folder}: the {fit_gpu}'s rungs {rung_ranges(measured, '-')}, and "
+                               f"profile/ (GPU time per class of rung {PROFILED_RUNG})"]
+        fitted["profile_check"] = profile_check(table["rungs"][PROFILED_RUNG], fitted, profile)
+        _FITTED[generation] = fitted
+    return _FITTED[generation]
 
 
 def profile_check(row, fitted, profile):
@@ -203,8 +212,7 @@ def readme_table(tables):
         "kernel launch: so a gain can differ from the ceiling's in a step's Why). On the H100, unseen by the fit, the "
         f"error per measured rung is {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other generations: an "
         "extrapolation; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing; A10: the peak table's "
-        "row "
-        "(not \"A10G\"). [The method](docs/roofline.md#predictions-for-your-gpu).",
+        "row (not \"A10G\"). [The method](docs/roofline.md#predictions-for-your-gpu).",
         width=118, break_on_hyphens=False)
     return "\n".join(lines)
 
@@ -226,4 +234,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(failures.process_done(failures.run(lambda: main())))
+    sys.exit(failures.process_done(failures.run(main)))

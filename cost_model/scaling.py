@@ -124,4 +124,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(failures.process_done(failures.run(lambda: main())))
+    sys.exit(failures.process_done(failures.run(main)))
