@@ -253,6 +253,17 @@ def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
     assert ROOT.joinpath("cost_model", "roofline.py").exists()
 
 
+def test_the_old_command_path_runs_the_cost_models_roofline():
+    """`python bench/roofline.py` (the command's path before cost_model/) takes the same arguments and exit codes."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "roofline.py"), "--gpu", "Nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "--gpu Nope: not in the peak table" in done.stderr
+
+
 def test_every_gpu_of_the_peak_table_has_a_memory_bandwidth():
     """The bandwidth lives in the cost model, by the peak table's row: a row added to one table alone is caught."""
     import utilization
