@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-from matplotlib.figure import Figure  # drawn straight to files: no window, no plot backend to choose
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -302,6 +301,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
 
 
 def plot_losses(log, path_stem):
+    from matplotlib.figure import Figure  # straight to files, no window; imported here, so start-up does not wait
     fig = Figure(figsize=(5, 3))
     ax1 = fig.subplots()
     epochs_seen = [entry["epochs_seen"] for entry in log]
@@ -323,21 +323,23 @@ def plot_losses(log, path_stem):
 #####################################
 
 def main():
+    clock = timekeeping.WallClock()  # each phase's time (start-up's parts too), and a line every ~10 s of a long one
     parser = cli.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     args, resume = cli.resolve_settings(parser.parse_args(), OTHER_SETTINGS, TINY_SETTINGS)  # --resume: its checkpoint
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
     cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG, resume)  # --model: the book's four GPT-2 sizes
     settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
+    clock.start_up("device")
     device = devices.pick_device(args.device)
     precision, precision_reason = "fp32", "the book trains in plain float32"
-    clock = timekeeping.WallClock()  # the time of each phase of the run, and a line every ~10 s of a long one
 
     print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason})")
 
     # Data: token shards, memory-mapped; by default the last 10% of the text validates
-    clock.enter("start-up", "opening the corpus (a named corpus or a text file is tokenized once)")
+    clock.start_up("corpus")
     corpus = load_corpus(args.data)
+    clock.start_up("tokenizer")
     tokenizer = get_tokenizer()
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(corpus.train, context, stride=context)
@@ -350,8 +352,10 @@ def main():
           f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
+    clock.start_up("model")
     torch.manual_seed(args.seed)
-    model = GPTModel(cfg).to(device)
+    with device:  # the weights are made where they train: no CPU initialization and copy
+        model = GPTModel(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"])
     num_params = sum(p.numel() for p in model.parameters())
@@ -361,9 +365,8 @@ def main():
                               peak_flops=utilization.peak_flops(device, precision))
     print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(gpu_memory.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=False))
-    print(utilization.flops_line(setup.flops_per_token, utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
-                            cfg, tokenizer.n_vocab))
     print(utilization.mfu_line(device, precision))
+    clock.start_up("until the first step")
     if device.type == "cpu" and not args.tiny:
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 

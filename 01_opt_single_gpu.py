@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-from matplotlib.figure import Figure  # drawn straight to files: no window, no plot backend to choose
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -318,6 +317,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
 
 
 def plot_losses(log, path_stem):
+    from matplotlib.figure import Figure  # straight to files, no window; imported here, so start-up does not wait
     fig = Figure(figsize=(5, 3))
     ax1 = fig.subplots()
     epochs_seen = [entry["epochs_seen"] for entry in log]
@@ -339,6 +339,7 @@ def plot_losses(log, path_stem):
 #####################################
 
 def main():
+    clock = timekeeping.WallClock()  # each phase's time (start-up's parts too), and a line every ~10 s of a long one
     parser = cli.build_parser(__doc__, OTHER_SETTINGS, TINY_SETTINGS)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (step 8)")  # NEW (step 8)
     parser.add_argument("--grad-accum-steps", type=cli.whole_number(1), help=cli.GRAD_ACCUM_HELP)  # NEW (accumulation)
@@ -346,6 +347,7 @@ def main():
     out = checkpoints.claim_out_dir(args.out)  # cheap checks first: a writable folder that no live run is using
     cfg = cli.model_config(args, GPT_CONFIG_124M, TINY_CONFIG, resume)  # --model: the book's four GPT-2 sizes
     settings = cli.run_settings(args, OTHER_SETTINGS, TINY_SETTINGS)  # what the checkpoint keeps for --resume
+    clock.start_up("device")
     device = devices.pick_device(args.device)
     # NEW (step 2): float32 matmuls on TF32 tensor cores (compute capability 8.0 and newer; older GPUs have none).
     # From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
@@ -354,14 +356,14 @@ def main():
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
     torch.backends.cuda.enable_cudnn_sdp(False)
     precision, precision_reason = devices.autocast_precision(device)  # NEW (step 5): bf16, fp16 or fp32, and why
-    clock = timekeeping.WallClock()  # the time of each phase of the run, and a line every ~10 s of a long one
 
     print(f"PyTorch {torch.__version__} | device: {devices.describe_device(device)} | "
           f"precision: {precision} ({precision_reason})")
 
     # Data: token shards, memory-mapped; by default the last 10% of the text validates
-    clock.enter("start-up", "opening the corpus (a named corpus or a text file is tokenized once)")
+    clock.start_up("corpus")
     corpus = load_corpus(args.data)
+    clock.start_up("tokenizer")
     tokenizer = get_tokenizer()
     context = cfg["context_length"]
     train_dataset = SlidingWindowDataset(corpus.train, context, stride=context)
@@ -375,8 +377,10 @@ def main():
           f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
+    clock.start_up("model")
     torch.manual_seed(args.seed)
-    model = GPTModel(cfg).to(device)
+    with device:  # the weights are made where they train: no CPU initialization and copy
+        model = GPTModel(cfg)
     torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
     devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
@@ -388,9 +392,8 @@ def main():
                               peak_flops=utilization.peak_flops(device, precision))
     print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(gpu_memory.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
-    print(utilization.flops_line(setup.flops_per_token, utilization.counted_flops_per_token(lambda: GPTModel(cfg), context),
-                            cfg, tokenizer.n_vocab))
     print(utilization.mfu_line(device, precision))
+    clock.start_up("until the first step")
     if device.type == "cpu" and not args.tiny:
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 

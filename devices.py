@@ -47,6 +47,8 @@ def pick_device(choice, distributed=False):
     if device.type == "cuda":
         check_cuda_build(torch.cuda.get_device_capability(), torch.cuda.get_arch_list(), torch.__version__,
                          torch.cuda.get_device_name())
+        if not distributed:  # CUDA's context made now, so that its start is timed as the device's (start-up's
+            torch.empty(1, device=device)  # "device" part); 02 and 03 make it on each process's own GPU
     return device
 
 

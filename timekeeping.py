@@ -75,7 +75,8 @@ class WallClock:
     torch.compile's own callbacks carve the compilation out of whatever it interrupted (the first training step,
     the first evaluation, the lazily compiled backward pass). A phase or a compilation has a timer thread of its
     own, which ends with it: every `every_s` seconds it says what the run is doing ("  ... evaluating (41 s since
-    start)"; `doing`: a text, or a function that gives one)."""
+    start)"; `doing`: a text, or a function that gives one). Start-up is kept in parts (start_up(), START_UP_PARTS):
+    the imports before this object, then each part until the next begins."""
 
     current = None  # the process's wall clock, for the file writers that have none passed to them (`busy`)
     DOING = {"evaluation": "evaluating", "sampling": "generating a sample", "checkpoints and outputs": "writing outputs"}
@@ -87,6 +88,7 @@ class WallClock:
         # the interpreter and the imports came before this object: start-up's first part, "imports"
         self.seconds["start-up"] = self.imports = process_age()
         self.phase_now, self.doing, self.compiling = "start-up", "starting", False
+        self.part, self.parts = "command line", {"command line": 0.0}  # start-up's part now, and each part's seconds
         self._timer, self._callbacks = None, []  # the current phase's timer thread; torch.compile's callbacks
         if "torch._dynamo" in sys.modules:  # a stage that compiles (01 on): time torch.compile as it reports itself
             from torch._dynamo.callback import callback_handler as handler
@@ -104,6 +106,13 @@ class WallClock:
         self.phase_now, self.doing = phase, doing or self.DOING.get(phase, phase)
         if not self.compiling:
             self._say_after_every(self.every_s)
+
+    def start_up(self, part, doing=None):
+        """Start-up's next part (a key of START_UP_PARTS, whose text the line of a long part says unless `doing`
+        does) runs until the next part or phase begins."""
+        self.enter("start-up", doing or START_UP_PARTS[part])
+        self.part = part
+        self.parts.setdefault(part, 0.0)
 
     @contextlib.contextmanager
     def phase(self, phase, doing=None):
@@ -126,21 +135,25 @@ class WallClock:
 
     def _close(self):
         now = time.monotonic()
-        self.seconds["compilation" if self.compiling else self.phase_now] += now - self._since
+        phase = "compilation" if self.compiling else self.phase_now
+        self.seconds[phase] += now - self._since
+        if phase == "start-up":
+            self.parts[self.part] += now - self._since
         self._since = now
 
     def stop(self):
         """The clock stops (its timer thread ends, torch.compile's callbacks go). Returns, for metrics.json, the seconds
         since the process started by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of start-up
-        before main() began its set-up (the interpreter, the imports, the command line; in 02 and 03 the process
-        group's start too), so that the rest (the data, the model, the GPU's own start, the FLOP count) shows."""
+        before the clock was made (the interpreter and the imports), and "start-up parts": the rest of start-up
+        part by part (START_UP_PARTS: the command line, the device, the corpus, ...), so that each shows."""
         self._close()
         self._say_after_every(None)
         for remove, callback in self._callbacks:
             remove(callback)
         self._callbacks, WallClock.current = [], None
         split = {phase: round(seconds, 2) for phase, seconds in self.seconds.items()}
-        return {**split, "total": round(sum(self.seconds.values()), 2), "imports": round(self.imports, 2)}
+        return {**split, "total": round(sum(self.seconds.values()), 2), "imports": round(self.imports, 2),
+                "start-up parts": {part: round(seconds, 2) for part, seconds in self.parts.items()}}
 
     def describe(self):
         """What the run is doing now, e.g. "compiling the training graph (torch.compile): training: epoch 1, step 0"."""
@@ -167,6 +180,16 @@ class WallClock:
 
 
 WALL_CLOCK_PHASES = ("start-up", "compilation", "training", "evaluation", "sampling", "checkpoints and outputs")
+# Start-up's parts after the imports, in a stage's order, with what the line of a long one says. "device" holds
+# CUDA's start (and in 02 and 03 the process group's); "until the first step" what is left before the first step.
+START_UP_PARTS = {
+    "command line": "reading the command line",
+    "device": "starting the device",
+    "corpus": "opening the corpus (a named corpus or a text file is tokenized once)",
+    "tokenizer": "loading the tokenizer",
+    "model": "building the model and its optimizer",
+    "until the first step": "preparing the first step",
+}
 
 
 def process_age():
@@ -187,12 +210,19 @@ def busy(what):
     return contextlib.nullcontext() if clock is None else clock.phase("checkpoints and outputs", what)
 
 
+def start_up_parts(split, unit=" s"):
+    """Start-up's parts of a split that has them, for the log: "imports 4.1 s, device 1.2 s, ..." (parts under
+    0.05 s left out); only the imports for a split recorded before the parts were kept, "" before the imports were."""
+    parts = {"imports": split["imports"], **split.get("start-up parts", {})} if "imports" in split else {}
+    return ", ".join(f"{part} {seconds:.1f}{unit}" for part, seconds in parts.items() if seconds >= 0.05)
+
+
 def wall_clock_line(split):
-    """"Wall clock: 51.2 s since the process started = start-up 6.0 s (imports 4.1 s) + compilation 30.1 s + ..."
-    for the log (a split recorded before "imports" was kept has no such part)."""
+    """"Wall clock: 51.2 s since the process started = start-up 6.0 s (imports 4.1 s, device 1.2 s, ...) +
+    compilation 30.1 s + ..." for the log."""
     def part(phase):
-        imports = f" (imports {split['imports']:.1f} s)" if phase == "start-up" and "imports" in split else ""
-        return f"{phase} {split[phase]:.1f} s{imports}"
+        parts = start_up_parts(split) if phase == "start-up" else ""
+        return f"{phase} {split[phase]:.1f} s" + (f" ({parts})" if parts else "")
 
     parts = " + ".join(part(phase) for phase in WALL_CLOCK_PHASES)
     return f"Wall clock: {split['total']:.1f} s since the process started = {parts}"

@@ -331,7 +331,8 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     torch.backends.cuda.enable_cudnn_sdp("cudnn-attention" in options)
 
     torch.manual_seed(seed)
-    model = stage_model(number, stage00, stage01).GPTModel(cfg).to(device)
+    with device:  # built where it trains, as every stage builds it
+        model = stage_model(number, stage00, stage01).GPTModel(cfg)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"],

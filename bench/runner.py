@@ -103,6 +103,7 @@ def describe_device_main(args):
 def run_rung_main(args):
     """Worker mode: compose one single-process rung, time it and write its result as JSON."""
     import torch
+    import torch._dynamo  # noqa: F401 (before the clock, so that it times torch.compile: rungs 8-10 compile)
 
     from bench import rungs
     from data import load_corpus
@@ -117,10 +118,11 @@ def run_rung_main(args):
         clock.said()  # the next line of a long quiet phase comes every ~10 s after this one
 
     try:
+        clock.start_up("device")
         device = devices.pick_device(args.device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        clock.enter("start-up", "composing the rung from the stage scripts")
+        clock.start_up("model", "composing the rung from the stage scripts")
         rungs.apply_options(args.option)  # --option: measured options, switched on before anything compiles
         rung = rungs.compose(number, device, args.tiny, seed=args.seed, model=args.model,
                              batch_size=args.batch_size, options=args.option, context_length=args.context_length)
@@ -132,12 +134,12 @@ def run_rung_main(args):
             f"{rung.cfg['context_length']} tokens | precision {rung.precision} | "
             f"{devices.describe_device(device)}" + "".join(f" | {note}" for note in rung.notes))
 
-        clock.enter("start-up", "opening the corpus")
+        clock.start_up("corpus")
         loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
-        clock.enter("start-up", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
+        clock.start_up("steps", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
         timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say)
-        clock.enter("start-up", "finishing")
+        clock.start_up("finishing", "finishing")
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
         flops = utilization.flops_per_token(rung.cfg, REAL_VOCAB_SIZE)
         result["mfu"] = utilization.mfu(timing["tokens_per_sec"], flops, utilization.peak_flops(device, rung.precision))
@@ -156,6 +158,7 @@ def run_rung_main(args):
                                                         "first_interval_peak_allocated_gb",
                                                         "first_interval_peak_reserved_gb")})
             say(gpu_memory.peak_memory_line(memory))
+        result["wall_clock_s"] = clock.stop()  # where the rung's process spent its time: "start-up parts"
         files.write_json(args.result, result)
     return failures.EXIT_OK if result["error"] is None else failures.EXIT_FAILED
 

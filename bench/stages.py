@@ -174,9 +174,25 @@ def tables(report):
         split = row.get("wall_clock_s") or {}
         lines.append(f"| {row['run']} | {row['command_seconds']:.1f} | "
                      + " | ".join(phase_cell(split, phase) for phase in PHASES) + " |")
-    return lines + ["", cache_note([row["run"] for row in report["runs"]]) + " Avg tok/sec leaves out each run's "
-                        "first log interval (warm-up and compilation); memory is in GiB, reserved at the end of the "
-                        "run and its peak."]
+    lines += ["", cache_note([row["run"] for row in report["runs"]]) + " Avg tok/sec leaves out each run's "
+                  "first log interval (warm-up and compilation); memory is in GiB, reserved at the end of the run and "
+                  "its peak."]
+    return lines + start_up_table(report["runs"])
+
+
+def start_up_table(runs):
+    """Start-up part by part (timekeeping.START_UP_PARTS), in seconds, for the runs that recorded its parts."""
+    split = {row["run"]: row["wall_clock_s"] for row in runs if "start-up parts" in (row.get("wall_clock_s") or {})}
+    if not split:
+        return []
+    parts = ["imports", *timekeeping.START_UP_PARTS]
+    lines = ["", "Start-up, part by part, in seconds: the imports, then each part the stage's `main()` names "
+                 "(docs/measuring.md).", "", "| run | " + " | ".join(parts) + " |",
+             "| --- | " + " | ".join("---:" for _ in parts) + " |"]
+    for run, wall_clock in split.items():
+        seconds = {"imports": wall_clock["imports"], **wall_clock["start-up parts"]}
+        lines.append(f"| {run} | " + " | ".join(cell(seconds.get(part), ".2f") for part in parts) + " |")
+    return lines
 
 
 def cache_note(names):

@@ -177,9 +177,12 @@ def check_wall_clock(stdout, out, compiled):
     import timekeeping
 
     split = json.loads((Path(out) / "metrics.json").read_text())["wall_clock_s"]
-    assert list(split) == [*timekeeping.WALL_CLOCK_PHASES, "total", "imports"], split
+    assert list(split) == [*timekeeping.WALL_CLOCK_PHASES, "total", "imports", "start-up parts"], split
     assert abs(sum(split[phase] for phase in timekeeping.WALL_CLOCK_PHASES) - split["total"]) < 0.05, split
     assert 0 < split["imports"] < split["start-up"], split  # importing PyTorch, then the stage's own set-up
+    parts = split["start-up parts"]  # each part of the stage's own set-up, in its order, adding up to start-up
+    assert list(parts) == list(timekeeping.START_UP_PARTS) and min(parts.values()) >= 0, parts
+    assert abs(split["imports"] + sum(parts.values()) - split["start-up"]) < 0.05, split
     for phase in ("start-up", "training", "evaluation", "sampling", "checkpoints and outputs"):
         assert split[phase] > 0, (phase, split)
     assert (split["compilation"] > 0) == compiled, split

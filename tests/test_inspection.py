@@ -89,15 +89,6 @@ def test_the_flops_formula_matches_the_counted_flops_of_the_full_size_model(scri
     assert formula == pytest.approx(0.854e9, rel=1e-3)
 
 
-def test_the_header_sets_the_counted_flops_beside_the_formula(small_text, tmp_path):
-    result = run_script("01_opt_single_gpu.py", "--tiny", "--no-compile", "--data", small_text, "--out", tmp_path,
-                        "--max-steps", 1)
-    assert result.returncode == 0, result.stderr[-2000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("FLOPs per token"))
-    assert re.search(r"by the formula \(used for MFU\), [\d.]+ G counted by torch.utils.flop_counter", line)
-    assert "padded vocabulary columns" in line
-
-
 def test_the_measuring_page_has_a_looking_inside_a_run_section():
     page = (ROOT / "docs" / "measuring.md").read_text(encoding="utf-8")
     section = page.split("## Looking inside a run", 1)[1].split("\n## ", 1)[0]

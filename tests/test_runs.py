@@ -244,16 +244,31 @@ def test_a_long_phase_says_what_it_does_from_a_thread_that_ends_with_it(capsys):
     assert split["evaluation"] >= 0.5 and timekeeping.WallClock.current is None, split
 
 
-def test_start_up_says_how_much_of_it_came_before_main_began_its_set_up():
+def test_start_up_is_split_into_the_imports_and_the_parts_main_names():
     import timekeeping
 
     clock = timekeeping.WallClock(every_s=3600)
     before = timekeeping.process_age()
-    time.sleep(0.2)  # the stage's set-up: the data, the model, the GPU's own start
+    time.sleep(0.1)  # the command line: the part before the first start_up()
+    clock.start_up("device")
+    time.sleep(0.2)
+    with clock.phase("checkpoints and outputs", "writing a file"):  # a file written during start-up: not a part
+        time.sleep(0.1)
+    clock.start_up("model")
+    time.sleep(0.3)
     clock.enter("training", "training: epoch 1, step 0")
+    time.sleep(0.1)  # no longer start-up: no part grows
     split = clock.stop()
-    assert split["imports"] <= before + 0.05 and split["start-up"] >= split["imports"] + 0.19, split  # rounded to 0.01
+    parts = split["start-up parts"]
+    assert list(parts) == ["command line", "device", "model"], parts
+    assert 0.09 <= parts["command line"] < 0.2 and 0.19 <= parts["device"] < 0.3 and 0.29 <= parts["model"] < 0.4
+    assert split["imports"] <= before + 0.05 and split["checkpoints and outputs"] >= 0.09, split
+    assert abs(split["imports"] + sum(parts.values()) - split["start-up"]) < 0.02, split  # rounded to 0.01
+    line = timekeeping.wall_clock_line(split)
+    assert (f"start-up {split['start-up']:.1f} s (imports {split['imports']:.1f} s, command line 0.1 s, device 0.2 s, "
+            "model 0.3 s) + compilation") in line, line
+    older = {key: value for key, value in split.items() if key != "start-up parts"}  # a row from before the parts
     assert f"start-up {split['start-up']:.1f} s (imports {split['imports']:.1f} s) + compilation" in (
-        timekeeping.wall_clock_line(split))
-    older = {key: value for key, value in split.items() if key != "imports"}  # a row recorded before the split
-    assert f"start-up {split['start-up']:.1f} s + compilation" in timekeeping.wall_clock_line(older)
+        timekeeping.wall_clock_line(older))
+    oldest = {key: value for key, value in older.items() if key != "imports"}  # and from before the imports
+    assert f"start-up {split['start-up']:.1f} s + compilation" in timekeeping.wall_clock_line(oldest)

@@ -116,6 +116,14 @@ def test_the_wall_clock_table_names_start_ups_imports_where_a_run_recorded_them(
     assert "| 00 | 20.0 | 15.7 | 1.0 | 1.0 | 1.0 | 0.5 | 0.5 |" in lines, lines  # a row from before the split
     assert any("Start-up's imports:" in line for line in lines)
     assert not any("Start-up's imports:" in line for line in stages.tables({"runs": [older]}))
+    assert not any("part by part" in line for line in lines)  # no row recorded start-up's parts
+    parts = {"command line": 0.01, "device": 1.2, "corpus": 0.05, "tokenizer": 0.2, "model": 0.3,
+             "until the first step": 0.4}
+    newest = {**row, "run": "01-warm", "wall_clock_s": {**row["wall_clock_s"], "start-up parts": parts}}
+    lines = stages.tables({"runs": [newest, older]})
+    assert "| run | imports | command line | device | corpus | tokenizer | model | until the first step |" in lines
+    assert "| 01-warm | 6.10 | 0.01 | 1.20 | 0.05 | 0.20 | 0.30 | 0.40 |" in lines, lines
+    assert not any(line.startswith("| 00 | 6.10") for line in lines)  # a run without parts has no row there
 
 
 def test_runs_missing_goes_on_where_the_folder_stopped(tmp_path, monkeypatch, capsys):
