@@ -62,6 +62,15 @@ OPTIONS = {
                   f"{ACCUMULATION_STEPS}th of it, their gradients summed (the same math: rung 10 as 4 x 8 against "
                   "32 shows what the smaller matmuls cost; rungs 11 and 12 run the stage scripts with "
                   f"--grad-accum-steps {ACCUMULATION_STEPS}: one all-reduce per step, not per micro-batch)",
+    "no-dropout": "the book's dropout (0.1) off everywhere: embeddings, attention weights and residual branches "
+                  "(not the book's math: what dropout costs, and what SDPA's kernels do without it; pretraining "
+                  "runs of GPT-2-sized models usually train without dropout)",
+    "cuda-graphs": "torch._inductor.config.triton.cudagraphs = True (torch.compile's mode=\"reduce-overhead\"): each "
+                   "compiled graph is replayed as one CUDA graph, so the host launches it once instead of kernel by "
+                   "kernel (rungs 8-10, which compile)",
+    "nested-compile-region": "torch.compiler.nested_compile_region on TransformerBlock.forward: torch.compile "
+                             "traces and compiles one block and reuses that code for the others (the same math; "
+                             "what it buys is compile time, a cold start's largest part; rungs 8-10)",
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
@@ -82,9 +91,10 @@ _load_counter = itertools.count()
 def apply_options(names):
     """Switch on the measured options `names` (keys of OPTIONS) for this process; before the rung is composed.
 
-    chunked-loss changes the rung's code, not a setting: compose() takes it (its `options`)."""
+    chunked-loss, grad-accum, no-dropout and nested-compile-region change the rung's code or config, not a setting
+    of PyTorch: compose() takes them (its `options`)."""
     for name in names:
-        if name in ("chunked-loss", "grad-accum"):  # compose() takes these
+        if name in ("chunked-loss", "grad-accum", "no-dropout", "nested-compile-region"):  # compose() takes these
             continue
         if name in OPTION_ENVIRONMENT:
             missing = {key: value for key, value in OPTION_ENVIRONMENT[name].items() if os.environ.get(key) != value}
@@ -98,6 +108,9 @@ def apply_options(names):
         elif name == "coordinate-descent":
             import torch._inductor.config as inductor_config
             inductor_config.coordinate_descent_tuning = True
+        elif name == "cuda-graphs":
+            import torch._inductor.config as inductor_config
+            inductor_config.triton.cudagraphs = True
         elif name == "memory-budget":
             import torch._functorch.config as functorch_config
             functorch_config.activation_memory_budget = MEMORY_BUDGET
@@ -293,14 +306,18 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
 
     `model` is one of cli.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
     replaces every rung's batch (--batch-size of bench/ladder.py); `options` are the ladder's --option names, of
-    which compose acts on chunked-loss (apply_options switches on the others); `context_length`, when given,
-    replaces every rung's context (--context-length)."""
+    which compose acts on chunked-loss, grad-accum, no-dropout and nested-compile-region (apply_options switches
+    on the others);
+    `context_length`, when given, replaces every rung's context (--context-length)."""
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
     cfg = model_config(number, tiny, stage00, stage01, model, context_length)
     settings = training_settings(number, tiny, stage00, stage01, batch_size)
     notes = [note for note in (context_length_note(context_length, stage_context_length(tiny, stage00)),) if note]
+    if "no-dropout" in options:  # --option no-dropout: every dropout of the model at 0 (the config's one rate)
+        notes.append(f"dropout {cfg['drop_rate']} -> 0")
+        cfg = {**cfg, "drop_rate": 0.0}
     if number == 9:
         notes.append(f"vocab {model_config(8, tiny, stage00, stage01)['vocab_size']:,} -> {cfg['vocab_size']:,}")
     own_batch = training_settings(number, tiny, stage00, stage01)["batch_size"]
@@ -347,6 +364,11 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
             stage01.forward_and_loss = chunked_loss.forward_and_loss
         else:
             notes.append("no effect here: chunked-loss replaces 01's forward_and_loss, and this rung's loss is 00's")
+    if "nested-compile-region" in options:  # on the class of this rung's own copy of 01, before it compiles
+        if number >= 8:
+            stage01.TransformerBlock.forward = torch.compiler.nested_compile_region(stage01.TransformerBlock.forward)
+        else:
+            notes.append("no effect here: nested-compile-region changes what torch.compile does, from rung 8 on")
     if number < 5:
         stage01.devices = _DevicesWithoutAutocast()
     if number < 8:

@@ -427,10 +427,13 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
     backends = torch.backends.cuda
     saved = (inductor_config.max_autotune, inductor_config.coordinate_descent_tuning, backends.flash_sdp_enabled(),
              backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled(), backends.cudnn_sdp_enabled())
-    saved_budget = functorch_config.activation_memory_budget
+    saved_budget, saved_graphs = functorch_config.activation_memory_budget, inductor_config.triton.cudagraphs
     try:
-        rungs.apply_options(["max-autotune"])
+        rungs.apply_options(["max-autotune", "no-dropout"])  # no-dropout: compose's (below), no setting
         assert inductor_config.max_autotune and inductor_config.coordinate_descent_tuning == saved[1]
+        assert not inductor_config.triton.cudagraphs
+        rungs.apply_options(["cuda-graphs"])
+        assert inductor_config.triton.cudagraphs
         rungs.apply_options(["coordinate-descent", "cudnn-attention"])
         assert inductor_config.coordinate_descent_tuning
         others = (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
@@ -452,12 +455,41 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
         rungs.apply_options(["expandable-segments"])
     finally:
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
-        functorch_config.activation_memory_budget = saved_budget
+        functorch_config.activation_memory_budget, inductor_config.triton.cudagraphs = saved_budget, saved_graphs
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
-    assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cudnn-attention", "expandable-segments",
-                                     "grad-accum", "max-autotune", "memory-budget"]
+    assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
+                                     "expandable-segments", "grad-accum", "max-autotune", "memory-budget",
+                                     "nested-compile-region", "no-dropout"]
+
+
+def test_the_nested_compile_region_option_marks_01s_block_from_rung_8_and_only_there():
+    """--option nested-compile-region wraps the TransformerBlock.forward of the rung's own copy of 01 (torch.compile
+    then compiles one block for all); before rung 8 nothing compiles, and the row says the option did nothing."""
+    compiled = rungs.compose(8, CPU, tiny=True, options=("nested-compile-region",))
+    block = compiled.model.trf_blocks[0]
+    assert type(block).forward is not type(rungs.compose(8, CPU, tiny=True).model.trf_blocks[0]).forward
+    assert "compile_region" in type(block).forward.__qualname__  # what torch.compiler.nested_compile_region returns
+    eager = rungs.compose(7, CPU, tiny=True, options=("nested-compile-region",))
+    assert any(note.startswith("no effect here: nested-compile-region") for note in eager.notes), eager.notes
+
+
+def test_the_no_dropout_option_turns_every_dropout_off_and_nothing_else():
+    """--option no-dropout: rung 7's model (01's) with every dropout at 0, so two forward passes in training mode
+    agree; without it they differ (the book's 0.1). The rest of the rung is the same: config, batch, parameters."""
+    outputs, configs = {}, {}
+    for options in ((), ("no-dropout",)):
+        rung = rungs.compose(7, CPU, tiny=True, seed=3, options=options)
+        assert rung.model.training
+        inputs = torch.randint(0, 1000, (2, rung.cfg["context_length"]))
+        with torch.no_grad():
+            outputs[options] = rung.model(inputs), rung.model(inputs)
+        configs[options] = rung.cfg
+    first, second = outputs[("no-dropout",)]
+    assert torch.equal(first, second)
+    assert not torch.equal(*outputs[()])
+    assert configs[()]["drop_rate"] == 0.1 and configs[("no-dropout",)] == {**configs[()], "drop_rate": 0.0}
 
 
 def test_rungs_keep_cudnns_attention_off_as_the_stages_do_unless_the_option_measures_it():
