@@ -69,8 +69,10 @@ OPTIONS = {
                    "compiled graph is replayed as one CUDA graph, so the host launches it once instead of kernel by "
                    "kernel (rungs 8-10, which compile)",
     "nested-compile-region": "torch.compiler.nested_compile_region on TransformerBlock.forward: torch.compile "
-                             "traces and compiles one block and reuses that code for the others (the same math; "
-                             "what it buys is compile time, a cold start's largest part; rungs 8-10)",
+                             "traces and compiles one block and reuses that code for the others (what it buys is "
+                             "compile time, a cold start's largest part; rungs 8-10). Meant as the same math, but on "
+                             "PyTorch 2.14.1 (CPU) Inductor's gradients were wrong from two blocks on: a row counts "
+                             "only where tests/gpu/test_compile_options.py passed on the same PyTorch",
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
