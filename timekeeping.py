@@ -82,7 +82,9 @@ class WallClock:
     DOING = {"evaluation": "evaluating", "sampling": "generating a sample", "checkpoints and outputs": "writing outputs"}
 
     def __init__(self, every_s=10.0):
-        self.every_s = every_s
+        # under torchrun only rank 0 says what the run is doing (from the start: the other ranks' own output is
+        # silenced only once they have joined the process group, and a rendezvous can take a while)
+        self.every_s = every_s if os.environ.get("RANK", "0") == "0" else None
         self.started = self._since = time.monotonic()
         self.seconds = dict.fromkeys(WALL_CLOCK_PHASES, 0.0)
         # the interpreter and the imports came before this object: start-up's first part, "imports"

@@ -224,7 +224,7 @@ def test_the_wall_clock_puts_compilation_in_its_own_phase_and_not_in_the_one_it_
     assert abs(split["total"] - timekeeping.process_age()) < 0.1, split  # the whole life of the process, start-up too
 
 
-def test_a_long_phase_says_what_it_does_from_a_thread_that_ends_with_it(capsys):
+def test_a_long_phase_says_what_it_does_from_a_thread_that_ends_with_it(capsys, monkeypatch):
     import threading
 
     import timekeeping
@@ -242,6 +242,13 @@ def test_a_long_phase_says_what_it_does_from_a_thread_that_ends_with_it(capsys):
     assert len(lines) == 2 and all(line.startswith("  ... evaluating (") and line.endswith(" s since start)")
                                    for line in lines), lines
     assert split["evaluation"] >= 0.5 and timekeeping.WallClock.current is None, split
+
+    monkeypatch.setenv("RANK", "1")  # another rank under torchrun: it keeps time and says nothing
+    quiet = timekeeping.WallClock(every_s=0.2)
+    quiet.start_up("device")
+    time.sleep(0.3)
+    assert not set(threading.enumerate()) - before and quiet.stop()["start-up parts"]["device"] >= 0.3
+    assert capsys.readouterr().out == ""
 
 
 def test_start_up_is_split_into_the_imports_and_the_parts_main_names():
