@@ -212,11 +212,11 @@ def busy(what):
     return contextlib.nullcontext() if clock is None else clock.phase("checkpoints and outputs", what)
 
 
-def start_up_parts(split, unit=" s"):
+def start_up_parts(split):
     """Start-up's parts of a split that has them, for the log: "imports 4.1 s, device 1.2 s, ..." (parts under
     0.05 s left out); only the imports for a split recorded before the parts were kept, "" before the imports were."""
     parts = {"imports": split["imports"], **split.get("start-up parts", {})} if "imports" in split else {}
-    return ", ".join(f"{part} {seconds:.1f}{unit}" for part, seconds in parts.items() if seconds >= 0.05)
+    return ", ".join(f"{part} {seconds:.1f} s" for part, seconds in parts.items() if seconds >= 0.05)
 
 
 def wall_clock_line(split):
