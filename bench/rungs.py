@@ -38,7 +38,8 @@ from bench.rung_table import (CHANGES, MULTI_PROCESS_RUNGS, RUNG_PARTS, STAGE_00
 
 ROOT = Path(__file__).resolve().parents[1]
 # Measured options: a change tried on top of the composed rungs (0-10) before it earns a place in 01: a setting of
-# PyTorch that a reader could add to 01 in a line, or (chunked-loss) a function that would replace one of 01's. The
+# PyTorch that a reader could add to 01 in a line, a decorator on one of 01's functions (nested-compile-region), a
+# function that would replace one of 01's (chunked-loss), or a price to know (no-dropout: the book's dropout off). The
 # ladder measures a rung with and without one (--option NAME, into a results folder of its own) and the change is
 # kept only if the numbers show it.
 MEMORY_BUDGET = 0.8  # any value from 0.7 to 0.95 gives gpt2-small the same partition: no matmul recomputed
@@ -309,8 +310,7 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     `model` is one of cli.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
     replaces every rung's batch (--batch-size of bench/ladder.py); `options` are the ladder's --option names, of
     which compose acts on chunked-loss, grad-accum, no-dropout and nested-compile-region (apply_options switches
-    on the others);
-    `context_length`, when given, replaces every rung's context (--context-length)."""
+    on the others); `context_length`, when given, replaces every rung's context (--context-length)."""
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
