@@ -71,9 +71,10 @@ OPTIONS = {
                    "kernel (rungs 8-10, which compile)",
     "nested-compile-region": "torch.compiler.nested_compile_region on TransformerBlock.forward: torch.compile "
                              "traces and compiles one block and reuses that code for the others (what it buys is "
-                             "compile time, a cold start's largest part; rungs 8-10). Meant as the same math, but on "
-                             "PyTorch 2.14.1 (CPU) Inductor's gradients were wrong from two blocks on: a row counts "
-                             "only where tests/gpu/test_compile_options.py passed on the same PyTorch",
+                             "compile time, a cold start's largest part; rungs 8-10), with "
+                             "torch._inductor.config.allow_buffer_reuse = False: with reuse, Inductor (PyTorch 2.14.1, "
+                             "CPU) gave wrong gradients from two blocks on; without, exact ones. A row counts only "
+                             "where tests/gpu/test_compile_options.py passed on the same PyTorch",
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
@@ -94,10 +95,10 @@ _load_counter = itertools.count()
 def apply_options(names):
     """Switch on the measured options `names` (keys of OPTIONS) for this process; before the rung is composed.
 
-    chunked-loss, grad-accum, no-dropout and nested-compile-region change the rung's code or config, not a setting
-    of PyTorch: compose() takes them (its `options`)."""
+    chunked-loss, grad-accum and no-dropout change the rung's code or config, not a setting of PyTorch: compose()
+    takes them (its `options`); nested-compile-region is both (compose() marks the block)."""
     for name in names:
-        if name in ("chunked-loss", "grad-accum", "no-dropout", "nested-compile-region"):  # compose() takes these
+        if name in ("chunked-loss", "grad-accum", "no-dropout"):  # compose() takes these
             continue
         if name in OPTION_ENVIRONMENT:
             missing = {key: value for key, value in OPTION_ENVIRONMENT[name].items() if os.environ.get(key) != value}
@@ -114,6 +115,9 @@ def apply_options(names):
         elif name == "cuda-graphs":
             import torch._inductor.config as inductor_config
             inductor_config.triton.cudagraphs = True
+        elif name == "nested-compile-region":  # compose() marks the block; here the setting its gradients need
+            import torch._inductor.config as inductor_config
+            inductor_config.allow_buffer_reuse = False
         elif name == "memory-budget":
             import torch._functorch.config as functorch_config
             functorch_config.activation_memory_budget = MEMORY_BUDGET

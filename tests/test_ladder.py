@@ -428,12 +428,15 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
     saved = (inductor_config.max_autotune, inductor_config.coordinate_descent_tuning, backends.flash_sdp_enabled(),
              backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled(), backends.cudnn_sdp_enabled())
     saved_budget, saved_graphs = functorch_config.activation_memory_budget, inductor_config.triton.cudagraphs
+    saved_reuse = inductor_config.allow_buffer_reuse
     try:
         rungs.apply_options(["max-autotune", "no-dropout"])  # no-dropout: compose's (below), no setting
         assert inductor_config.max_autotune and inductor_config.coordinate_descent_tuning == saved[1]
-        assert not inductor_config.triton.cudagraphs
+        assert not inductor_config.triton.cudagraphs and inductor_config.allow_buffer_reuse
         rungs.apply_options(["cuda-graphs"])
         assert inductor_config.triton.cudagraphs
+        rungs.apply_options(["nested-compile-region"])  # compose marks the block; the setting its gradients need
+        assert not inductor_config.allow_buffer_reuse
         rungs.apply_options(["coordinate-descent", "cudnn-attention"])
         assert inductor_config.coordinate_descent_tuning
         others = (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
@@ -456,12 +459,51 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
     finally:
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
         functorch_config.activation_memory_budget, inductor_config.triton.cudagraphs = saved_budget, saved_graphs
+        inductor_config.allow_buffer_reuse = saved_reuse
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
     assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
                                      "expandable-segments", "grad-accum", "max-autotune", "memory-budget",
                                      "nested-compile-region", "no-dropout"]
+
+
+ALLOWED = 1e-4  # compiled against eager, of each parameter's largest gradient entry (float32 reordered: ~1e-6)
+
+
+def worst_gradient_error(options, device):
+    """(eager loss, compiled loss, the largest relative gradient difference and its parameter) of rung 8 (01's
+    compiled step) with `options` on `device`: tiny model, float32, dropout off. The options' settings of PyTorch
+    stay switched on (in a rung's process they do too)."""
+    rungs.apply_options(options)
+    rung = rungs.compose(8, device, tiny=True, seed=11, options=("no-dropout", *options))
+    torch.set_float32_matmul_precision("highest")  # exact float32 on both sides: no TF32
+    stage, model = rung.data_stage, rung.model
+    generator = torch.Generator().manual_seed(5)
+    inputs, targets = (torch.randint(0, 50257, (2, rung.cfg["context_length"]), generator=generator).to(device)
+                       for _ in range(2))
+    results = []
+    for loss_of in (stage.forward_and_loss, stage.training_loss):  # eager, then compiled (the same lines)
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(model, inputs, targets)
+        loss.backward()
+        results.append((loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (eager_loss, eager), (compiled_loss, compiled) = results
+    error, name = max(((eager[name] - compiled[name]).abs().max().item() / eager[name].abs().max().item(), name)
+                      for name in eager)
+    return eager_loss, compiled_loss, error, name
+
+
+def test_the_nested_compile_region_option_gives_the_eager_gradients(monkeypatch):
+    """The option as a rung's process switches it on: compiled with the block as a nested region, 01's step gives the
+    eager step's gradients. Without allow_buffer_reuse = False (which the option sets) Inductor's were up to half
+    their size off from two blocks on (PyTorch 2.14.1); tests/gpu/test_compile_options.py asks the same of a GPU."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "allow_buffer_reuse", inductor_config.allow_buffer_reuse)  # restored after
+    eager_loss, compiled_loss, error, name = worst_gradient_error(("nested-compile-region",), CPU)
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+    assert error <= ALLOWED, (error, name)
 
 
 def test_the_nested_compile_region_option_marks_01s_block_from_rung_8_and_only_there():
