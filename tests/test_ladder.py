@@ -494,14 +494,15 @@ def worst_gradient_error(options, device):
     return eager_loss, compiled_loss, error, name
 
 
-def test_the_nested_compile_region_option_gives_the_eager_gradients(monkeypatch):
+def test_the_nested_compile_region_option_gives_the_eager_gradients():
     """The option as a rung's process switches it on: compiled with the block as a nested region, 01's step gives the
     eager step's gradients. Without allow_buffer_reuse = False (which the option sets) Inductor's were up to half
     their size off from two blocks on (PyTorch 2.14.1); tests/gpu/test_compile_options.py asks the same of a GPU."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "allow_buffer_reuse", inductor_config.allow_buffer_reuse)  # restored after
-    eager_loss, compiled_loss, error, name = worst_gradient_error(("nested-compile-region",), CPU)
+    # restored afterwards by the config's own patch(): pytest's monkeypatch would leave the setting deleted
+    with inductor_config.patch(allow_buffer_reuse=inductor_config.allow_buffer_reuse):
+        eager_loss, compiled_loss, error, name = worst_gradient_error(("nested-compile-region",), CPU)
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     assert error <= ALLOWED, (error, name)
 

@@ -19,12 +19,12 @@ from test_ladder import ALLOWED, worst_gradient_error  # the CPU suite runs it f
 
 
 @pytest.mark.parametrize("options", [(), ("nested-compile-region",)], ids=["as-01", "nested-compile-region"])
-def test_the_compiled_step_gives_the_eager_gradients(options, report, monkeypatch):  # budget: ~30 s each
+def test_the_compiled_step_gives_the_eager_gradients(options, report):  # budget: ~30 s each
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "allow_buffer_reuse", inductor_config.allow_buffer_reuse)  # restored after
     torch._dynamo.reset()
-    eager_loss, compiled_loss, error, name = worst_gradient_error(options, torch.device("cuda"))
+    with inductor_config.patch(allow_buffer_reuse=inductor_config.allow_buffer_reuse):  # restored after
+        eager_loss, compiled_loss, error, name = worst_gradient_error(options, torch.device("cuda"))
     label = "01's compiled step" + "".join(f" with --option {option}" for option in options)
     report(f"{label}, tiny, float32, no dropout: loss {compiled_loss:.6f} (eager {eager_loss:.6f}); largest gradient "
            f"difference {error:.2e} of its parameter's largest entry ({name}; allowed {ALLOWED:.0e})")
