@@ -137,9 +137,10 @@ def run_rung_main(args):
         clock.start_up("corpus")
         loader = rung.make_train_loader(load_corpus(args.data).train, args.seed)
 
-        clock.start_up("steps", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
+        # the warm-up and timed steps are the row's "training" (what torch.compile takes, its "compilation")
+        clock.enter("training", "warming up" + (" (the first step compiles the model)" if number >= 8 else ""))
         timing = rungs.measure(rung, loader, args.seed, args.warmup, args.steps, args.windows, say=say)
-        clock.start_up("finishing", "finishing")
+        clock.enter("checkpoints and outputs", "finishing")
         result.update(timing, steps=args.steps, warmup_steps=args.warmup)
         flops = utilization.flops_per_token(rung.cfg, REAL_VOCAB_SIZE)
         result["mfu"] = utilization.mfu(timing["tokens_per_sec"], flops, utilization.peak_flops(device, rung.precision))
@@ -158,7 +159,7 @@ def run_rung_main(args):
                                                         "first_interval_peak_allocated_gb",
                                                         "first_interval_peak_reserved_gb")})
             say(gpu_memory.peak_memory_line(memory))
-        result["wall_clock_s"] = clock.stop()  # where the rung's process spent its time: "start-up parts"
+        result["wall_clock_s"] = clock.stop()  # where the rung's process spent its time, start-up in parts
         files.write_json(args.result, result)
     return failures.EXIT_OK if result["error"] is None else failures.EXIT_FAILED
 
