@@ -196,7 +196,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 4): non_blocking: the host queues the copy and goes on queueing the step's kernels. Pinned by hand
     # here, evaluation batches too. No DataLoader workers in any stage: a window is a slice of memory-mapped tokens
     input_batch, target_batch = input_batch.to(device, non_blocking=True), target_batch.to(device, non_blocking=True)
-    # NEW (step 5): autocast runs forward and loss in bf16 (float16 on GPUs without bf16); weights stay float32
+    # NEW (step 5): autocast runs the matmuls in bf16 (float16 on GPUs without bf16); weights and the loss stay float32
     dtype = devices.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         if model.training:  # NEW (step 8): training and evaluation are two compiled graphs, so neither recompiles

@@ -8,6 +8,7 @@
   across the ranks, collective timeouts sized and stated.
 """
 
+import inspect
 import itertools
 import json
 import math
@@ -63,16 +64,17 @@ def largest_allocation(run):
     return max(event.cpu_memory_usage for event in prof.events() if event.cpu_memory_usage > 0)
 
 
-def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage, bf16_cpu):
+def test_no_float32_copy_of_the_logits_in_training_or_evaluation(bf16_cpu):
+    """Stage 01's compiled graphs; 02's are the same code (the next test), so the finding holds for both."""
+    stage = load_stage("01_opt_single_gpu.py")
     model = tiny_model(stage)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     inputs, targets = tiny_batch(stage)
     float32_logits = float32_logits_bytes(inputs.numel(), stage.REAL_VOCAB_SIZE)  # 51.5 MB: the step's largest, widened
-    trained = stage.ModelWithLoss(model) if hasattr(stage, "ModelWithLoss") else model  # 02: the module DDP wraps
 
     def training_step():
         optimizer.zero_grad()
-        stage.calc_loss_batch(inputs, targets, trained, CPU).backward()
+        stage.calc_loss_batch(inputs, targets, model, CPU).backward()
         optimizer.step()
 
     def evaluation():
@@ -87,6 +89,22 @@ def test_no_float32_copy_of_the_logits_in_training_or_evaluation(stage, bf16_cpu
     # measured: 34.4 MB in training, under 0.1 MB in evaluation (PyTorch 2.15, CPU); a float32 copy of the logits
     # inside the compiled graph does show here (a probe that kept one measured 51.5 MB)
     assert max(largest.values()) < float32_logits
+
+
+def test_02_compiles_the_model_and_the_loss_of_01_line_for_line():
+    """What stage 02 compiles is 01's code: the model's classes and the compiled functions, so that a property of
+    01's graphs (above: no float32 logits) is one of 02's. 02 only routes training through the module DDP wraps."""
+    stage01, stage02 = load_stage("01_opt_single_gpu.py"), load_stage("02_opt_multi_gpu_ddp.py")
+
+    def source(stage, name):
+        function = getattr(stage, name)
+        return inspect.getsource(getattr(function, "_torchdynamo_orig_callable", function))  # under @torch.compile
+
+    for name in ("GPTModel", "TransformerBlock", "MultiHeadAttention", "FeedForward", "forward_and_loss",
+                 "training_loss", "evaluation_loss"):
+        assert source(stage02, name) == source(stage01, name), f"02's {name} is not 01's"
+    assert "return training_loss(self.model, input_batch, target_batch)" in source(stage02, "ModelWithLoss")
+    assert "return model(input_batch, target_batch)" in source(stage02, "calc_loss_batch")
 
 
 def test_the_loss_keeps_float32_precision(stage, bf16_cpu):
