@@ -4,8 +4,9 @@
 - one compilation of the training step per run, and no recompiles for evaluation, a short last batch or
   the sample;
 - no loader worker start-up when an epoch begins;
-- stage 02: no blocking collective after every step, each rank its own dropout masks, evaluation split
-  across the ranks, collective timeouts sized and stated.
+- stage 02: one compiled graph that DDP wraps, no graph break at one process or two; no blocking collective
+  after every step, each rank its own dropout masks, evaluation split across the ranks, collective timeouts
+  sized and stated.
 """
 
 import inspect
@@ -353,6 +354,27 @@ def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatc
     assert re.search(r"new_group\(backend=\"gloo\", timeout=COLLECTIVE_TIMEOUT\)", source)  # not gloo's 30 min
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert re.search(r"10 minutes", readme) and "COLLECTIVE_TIMEOUT" in readme
+
+
+def test_stage02_compiles_without_graph_breaks_in_one_process(small_text, tmp_path, capfd):
+    """Stage 02 compiles forward and loss as one graph that DDP wraps: no graph break at world size 1 either, with
+    gradient accumulation too. Run just before the two-rank test below, at its shapes, so that its two ranks find
+    the graphs compiled (the cache), rather than both compiling them at once."""
+    # Before DDP wrapped the compiled unit, Dynamo traced into DDP's own forward and broke the graph at its
+    # _pre_forward and in contextlib frames: 4 "Graph break" lines in this very run.
+    from test_stage02_ddp import clean_env, run_all, torchrun
+
+    check_the_probe_of_breaks_and_recompiles(capfd)  # the words searched for below are the ones the logs use
+    [(rc, stdout, stderr)] = run_all([torchrun(
+        "--standalone", "--nproc_per_node=1", "02_opt_multi_gpu_ddp.py", "--tiny", "--data", small_text,
+        "--out", tmp_path / "run", "--max-steps", 4, "--eval-freq", 2, "--eval-iter", 1,
+        "--batch-size", 2, "--grad-accum-steps", 2)], timeout=300,  # require_backward_grad_sync off, then on
+        envs=[clean_env(TORCH_LOGS="graph_breaks,recompiles,dynamo")])
+    assert rc == 0, stdout[-2000:] + stderr[-3000:]
+    traced = [name for _, _, name in compiled_frames(stderr)]  # TORCH_LOGS reached the run: dynamo's lines are there
+    assert "training_loss" in traced and "evaluation_loss" in traced, stderr[-3000:]
+    assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]
+    assert "Recompiling" not in stderr, re.findall(r".*Recompiling.*", stderr)[:3]
 
 
 def test_stage02_compiled_at_two_ranks_never_recompiles_and_saves_each_ranks_dropout_state(small_text, tmp_path,
