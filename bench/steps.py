@@ -89,6 +89,47 @@ def statement_end(lines, start, limit=12):
     return min(index, len(lines) - 1)
 
 
+def indent(line):
+    return len(line) - len(line.lstrip())
+
+
+def block_end(lines, start):
+    """The index of the last line of the statement at `start` with everything under it: a compound statement's
+    header (`if ...:`, `for ...:`, `class ...:`) takes its indented body, a decorator the function it decorates."""
+    end = statement_end(lines, start)
+    if lines[start].lstrip().startswith("@") and end + 1 < len(lines):
+        return block_end(lines, end + 1)
+    if not code_of(lines[end]).rstrip().endswith(":"):
+        return end
+    body = end
+    for index in range(end + 1, len(lines)):
+        if lines[index].strip() and indent(lines[index]) <= indent(lines[start]):
+            break
+        if lines[index].strip():
+            body = index
+    return body
+
+
+def others_blocks(lines, step):
+    """The indices of the lines that the tags of other steps (or of another change, such as accumulation) mark in
+    `lines`, each with all that its statement holds: an `if` tagged step 4 marks its body too."""
+    marked = set()
+    for index, line in enumerate(lines):
+        tags = TAG.findall(line)
+        if not tags or any(step in tag_steps(label) for label in tags):
+            continue
+        end = index
+        if line.lstrip().startswith("#"):
+            while end + 1 < len(lines) and lines[end + 1].lstrip().startswith("#"):
+                end += 1
+            if end + 1 < len(lines) and lines[end + 1].strip():
+                end = block_end(lines, end + 1)
+        else:
+            end = block_end(lines, index)
+        marked.update(range(index, end + 1))
+    return marked
+
+
 def tagged_blocks(lines, step):
     """The indices of the lines that step `step`'s tags mark in `lines`: a tagged line of code and the rest of its
     statement; a tag on a comment line of its own marks the comment (and the comment lines under it) and the
@@ -113,9 +154,11 @@ def tagged_blocks(lines, step):
 def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     """Step `step`'s lines in the new file beside the old file's lines they replace, as groups of
     (mark, old line number, new line number, text): '-' an old line its change removes, '+' a new line of that
-    change, ' ' context (a new line of another change has no old number). A change is a difflib hunk whose new lines
-    hold a line the step's tags mark."""
+    change, '~' a new line in the same change that belongs to another step (or to accumulation), ' ' context (a new
+    line of another change has no old number). A change is a difflib hunk whose new lines hold a line the step's
+    tags mark."""
     marked = tagged_blocks(new_lines, step)
+    others = others_blocks(new_lines, step) - marked
     opcodes = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
     chosen = [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in opcodes
               if tag != "equal" and marked.intersection(range(j1, j2))]
@@ -125,7 +168,7 @@ def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     for tag, i1, i2, j1, j2 in opcodes:
         if (i1, i2, j1, j2) in chosen:
             items += [(j1, ("-", i + 1, None, old_lines[i])) for i in range(i1, i2)]
-            items += [(j, ("+", None, j + 1, new_lines[j])) for j in range(j1, j2)]
+            items += [(j, ("~" if j in others else "+", None, j + 1, new_lines[j])) for j in range(j1, j2)]
         elif tag == "equal":
             items += [(j, (" ", i1 + j - j1 + 1, j + 1, new_lines[j])) for j in range(j1, j2) if j in window]
         else:
@@ -272,8 +315,8 @@ def describe(number, results=RESULTS, root=ROOT):
         new_lines = (root / new_name).read_text(encoding="utf-8").splitlines()
         groups = diff_view(old_lines, new_lines, number)
         lines += [f'The lines of {new_name} tagged "NEW ({label})", beside what they replace in {old_name}.',
-                  f"'-': a line of {old_name}, '+': the lines of {new_name} in its place, the rest context; the "
-                  "columns are the line numbers in the two files."]
+                  f"'-': a line of {old_name}, '+': the lines of {new_name} in its place, '~': a line there that "
+                  "belongs to another step, the rest context; the columns are the line numbers in the two files."]
         lines += render_groups(groups, old_name, new_name) if groups else [f"  (no line of {new_name} is tagged)"]
     lines += ["", *composition(number, tables), "", *measured(number, results)]
     return lines

@@ -50,6 +50,22 @@ def test_every_step_finds_its_tagged_lines_in_01(number):
             assert f"{index + 1:>4}  {lines[index]}".rstrip() in shown  # with its line number in 01
 
 
+@pytest.mark.parametrize("number", range(1, 13))
+def test_a_plus_line_is_never_another_steps_tagged_line(number):
+    for line in page(number).splitlines():
+        labels = steps.TAG.findall(line)
+        if line.startswith("+") and labels:
+            assert any(number in steps.tag_steps(label) for label in labels), line
+
+
+def test_another_steps_lines_in_a_steps_place_are_marked_as_theirs():
+    shown = page(5).splitlines()
+    pinned = [line for line in shown if "input_batch.pin_memory()" in line]  # step 4's `if` and its body
+    assert pinned and all(line.startswith("~") for line in pinned)
+    assert any(line.startswith("~") and "def training_loss" in line for line in shown)  # under step 8's decorator
+    assert any(line.startswith("+") and "with torch.autocast(" in line for line in shown)  # step 5's own
+
+
 def test_lines_are_shown_with_both_files_numbers():
     text = page(10)
     old = (ROOT / "00_orig.py").read_text().splitlines()
