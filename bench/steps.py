@@ -89,55 +89,14 @@ def statement_end(lines, start, limit=12):
     return min(index, len(lines) - 1)
 
 
-def indent(line):
-    return len(line) - len(line.lstrip())
-
-
-def block_end(lines, start):
-    """The index of the last line of the statement at `start` with everything under it: a compound statement's
-    header (`if ...:`, `for ...:`, `class ...:`) takes its indented body, a decorator the function it decorates."""
-    end = statement_end(lines, start)
-    if lines[start].lstrip().startswith("@") and end + 1 < len(lines):
-        return block_end(lines, end + 1)
-    if not code_of(lines[end]).rstrip().endswith(":"):
-        return end
-    body = end
-    for index in range(end + 1, len(lines)):
-        if lines[index].strip() and indent(lines[index]) <= indent(lines[start]):
-            break
-        if lines[index].strip():
-            body = index
-    return body
-
-
-def others_blocks(lines, step):
-    """The indices of the lines that the tags of other steps (or of another change, such as accumulation) mark in
-    `lines`, each with all that its statement holds: an `if` tagged step 4 marks its body too."""
-    marked = set()
-    for index, line in enumerate(lines):
-        tags = TAG.findall(line)
-        if not tags or any(step in tag_steps(label) for label in tags):
-            continue
-        end = index
-        if line.lstrip().startswith("#"):
-            while end + 1 < len(lines) and lines[end + 1].lstrip().startswith("#"):
-                end += 1
-            if end + 1 < len(lines) and lines[end + 1].strip():
-                end = block_end(lines, end + 1)
-        else:
-            end = block_end(lines, index)
-        marked.update(range(index, end + 1))
-    return marked
-
-
 def tagged_blocks(lines, step):
     """The indices of the lines that step `step`'s tags mark in `lines`: a tagged line of code and the rest of its
     statement; a tag on a comment line of its own marks the comment (and the comment lines under it) and the
-    statement that follows it."""
+    statement that follows it. `step` None: the lines that any tag marks, whichever step or change it names."""
     marked = set()
     for index, line in enumerate(lines):
         tags = TAG.findall(line)
-        if not any(step in tag_steps(label) for label in tags):
+        if not tags or (step is not None and not any(step in tag_steps(label) for label in tags)):
             continue
         if line.lstrip().startswith("#"):
             end = index
@@ -154,11 +113,20 @@ def tagged_blocks(lines, step):
 def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     """Step `step`'s lines in the new file beside the old file's lines they replace, as groups of
     (mark, old line number, new line number, text): '-' an old line its change removes, '+' a new line of that
-    change, '~' a new line in the same change that belongs to another step (or to accumulation), ' ' context (a new
-    line of another change has no old number). A change is a difflib hunk whose new lines hold a line the step's
-    tags mark."""
+    change, '~' a new line that another step (or another change, such as accumulation) adds, ' ' a line both files
+    share. A change is a difflib hunk whose new lines hold a line the step's tags mark; inside it, a line no tag marks
+    goes with the nearest tagged line above it in the hunk (below it, where none is above): an `if` tagged step 4
+    takes its body along."""
     marked = tagged_blocks(new_lines, step)
-    others = others_blocks(new_lines, step) - marked
+    others = tagged_blocks(new_lines, None) - marked
+
+    def owned(j, j1, j2):
+        """Whether new line j, in the hunk of new lines j1 to j2, is the step's."""
+        for near in [*range(j, j1 - 1, -1), *range(j + 1, j2)]:
+            if near in marked or near in others:
+                return near in marked
+        return True
+
     opcodes = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
     chosen = [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in opcodes
               if tag != "equal" and marked.intersection(range(j1, j2))]
@@ -168,11 +136,11 @@ def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     for tag, i1, i2, j1, j2 in opcodes:
         if (i1, i2, j1, j2) in chosen:
             items += [(j1, ("-", i + 1, None, old_lines[i])) for i in range(i1, i2)]
-            items += [(j, ("~" if j in others else "+", None, j + 1, new_lines[j])) for j in range(j1, j2)]
+            items += [(j, ("+" if owned(j, j1, j2) else "~", None, j + 1, new_lines[j])) for j in range(j1, j2)]
         elif tag == "equal":
             items += [(j, (" ", i1 + j - j1 + 1, j + 1, new_lines[j])) for j in range(j1, j2) if j in window]
-        else:
-            items += [(j, (" ", None, j + 1, new_lines[j])) for j in range(j1, j2) if j in window]
+        else:  # another change's new lines near the step's: shown, marked as not the step's
+            items += [(j, ("~", None, j + 1, new_lines[j])) for j in range(j1, j2) if j in window]
     groups, last = [], None
     for where, item in items:
         if last is None or where > last + 1:  # lines left out between: a new group
@@ -315,8 +283,9 @@ def describe(number, results=RESULTS, root=ROOT):
         new_lines = (root / new_name).read_text(encoding="utf-8").splitlines()
         groups = diff_view(old_lines, new_lines, number)
         lines += [f'The lines of {new_name} tagged "NEW ({label})", beside what they replace in {old_name}.',
-                  f"'-': a line of {old_name}, '+': the lines of {new_name} in its place, '~': a line there that "
-                  "belongs to another step, the rest context; the columns are the line numbers in the two files."]
+                  f"'-': a line of {old_name} that the step replaces, '+': the step's lines in {new_name}, '~': a "
+                  f"line of {new_name} that another step adds, ' ': a line both files share; the columns are the "
+                  "line numbers in the two files."]
         lines += render_groups(groups, old_name, new_name) if groups else [f"  (no line of {new_name} is tagged)"]
     lines += ["", *composition(number, tables), "", *measured(number, results)]
     return lines

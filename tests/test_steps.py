@@ -64,6 +64,11 @@ def test_another_steps_lines_in_a_steps_place_are_marked_as_theirs():
     assert pinned and all(line.startswith("~") for line in pinned)
     assert any(line.startswith("~") and "def training_loss" in line for line in shown)  # under step 8's decorator
     assert any(line.startswith("+") and "with torch.autocast(" in line for line in shown)  # step 5's own
+    # an untagged line goes with the tagged line above it: the split that step 8 makes is step 8's
+    assert any(line.startswith("~") and "def forward_and_loss" in line for line in shown)
+    assert any(line.startswith("+") and "def forward_and_loss" in line for line in page(8).splitlines())
+    # a line another step adds, shown near the step's, is marked as that step's, not as shared context
+    assert any(line.startswith("~") and "NEW (step 5): the loss in float32" in line for line in page(4).splitlines())
 
 
 def test_lines_are_shown_with_both_files_numbers():
