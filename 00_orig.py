@@ -267,7 +267,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
         model.train()
         train_loader.sampler.generator.manual_seed(args.seed + epoch)  # a new, reproducible order each epoch
         for input_batch, target_batch in run.batches(train_loader, epoch):  # resumed: the batches not yet trained
-            with run.timed_step():  # the step, on the training clock (a profiled step is not timed)
+            with run.timed_step():  # one step, counted; the clock runs from batch to batch (a profiled step: off it)
                 optimizer.zero_grad()
                 with inspector.region("forward with loss"):
                     loss = calc_loss_batch(input_batch, target_batch, model, device)

@@ -224,7 +224,7 @@ def training_loss(logits, target_batch):
 
 
 @torch.compile  # NEW (step 8): evaluation (no dropout, no gradients) is another graph, in a function of its own
-def evaluation_loss(logits, target_batch):  # NEW (FSDP): so that neither graph ever recompiles the other
+def evaluation_loss(logits, target_batch):  # NEW (FSDP): so that switching modes never recompiles either
     return loss_of_logits(logits, target_batch)
 
 
@@ -295,7 +295,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
         model.train()
         train_loader.sampler.set_epoch(epoch)  # NEW (DDP): a new, reproducible order each epoch, on every rank
         for input_batch, target_batch in run.batches(train_loader, epoch):  # resumed: the batches not yet trained
-            with run.timed_step():  # the step, on the training clock (a profiled step is not timed)
+            with run.timed_step():  # one step, counted; the clock runs from batch to batch (a profiled step: off it)
                 optimizer.zero_grad()
                 micro_batches = zip(input_batch.chunk(args.grad_accum_steps), target_batch.chunk(args.grad_accum_steps))
                 for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):  # NEW (DDP): numbered

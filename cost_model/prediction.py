@@ -199,7 +199,9 @@ def readme_tables():
 def readme_table(tables):
     """The README's table: per GPU, each step's predicted gain over the step before, and stage 01's tok/s."""
     held_out = tables["H100"]
-    _, median, worst = errors(held_out)
+    checked, median, worst = errors(held_out)
+    dates = sorted({date for _, where in measured_beside(held_out).values()
+                    for date in re.findall(r"\d{4}-\d{2}-\d{2}", where)})
     lines = ["| GPU | " + " | ".join(f"step {number}" for number in range(1, 11)) + " | stage 01, tok/s |",
              "| --- |" + " ---: |" * 11]
     for name, table in tables.items():
@@ -209,10 +211,11 @@ def readme_table(tables):
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
         "and six numbers fitted on the H200's ladder and profile (a share of the peak per kind of work, a cost per "
-        "kernel launch: so a gain can differ from the ceiling's in a step's Why). On the H100, unseen by the fit, the "
-        f"error per measured rung is {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other generations: an "
-        "extrapolation; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing; A10: the peak table's "
-        "row (not \"A10G\"). [The method](docs/roofline.md#predictions-for-your-gpu).",
+        "kernel launch: so a gain can differ from its step's ceiling). On the H100 (rungs "
+        f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, the error per rung is {100 * median:.0f}% "
+        f"(median), {100 * worst:.0f}% at worst. Other generations: an "
+        "extrapolation; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing; A10: its own row, not "
+        "\"A10G\". [The method](docs/roofline.md#predictions-for-your-gpu).",
         width=118, break_on_hyphens=False)
     return "\n".join(lines)
 

@@ -427,6 +427,12 @@ def test_the_readmes_table_of_predictions_is_the_models(readme_gpus, tmp_path, m
         found = prediction.predictions(table)
         assert all(found[rung] < table["rungs"][rung]["ceiling_tok_per_sec"] for rung in range(11)), name
     assert "Predicted, not measured" in block(readme, prediction.README_BLOCK)
+    # the held-out check names the H100's measured rungs and their date, as the committed rows have them
+    ladders, when = prediction.measured_ladders("H100")
+    from bench.report import rung_ranges
+    rungs = sorted({rung for found in ladders.values() for rung in found})
+    named = f"On the H100 (rungs {rung_ranges(rungs, '-')} of {min(when.values())[-10:]}"
+    assert named in " ".join(block(readme, prediction.README_BLOCK).split())
     # a table typed over by hand, or left behind by the model, is found by --check
     monkeypatch.setattr(prediction, "readme_tables", lambda: readme_gpus)
     assert prediction.main(["--check"]) == 0
