@@ -210,7 +210,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
             return training_loss(model(input_batch), target_batch)  # of the graphs), then the compiled loss
         with torch.compiler.set_stance("force_eager"):  # NEW (FSDP): evaluation runs the blocks eagerly: a graph
             logits = model(input_batch)  # of theirs without gradients would recompile them
-        return evaluation_loss(logits, target_batch)  # NEW (step 8)
+        return evaluation_loss(logits, target_batch)  # NEW (FSDP): the compiled loss of the eager logits
 
 
 def loss_of_logits(logits, target_batch):  # NEW (FSDP): the loss alone
