@@ -431,7 +431,8 @@ def test_the_readmes_table_of_predictions_is_the_models(readme_gpus, tmp_path, m
     ladders, when = prediction.measured_ladders("H100")
     from bench.report import rung_ranges
     rungs = sorted({rung for found in ladders.values() for rung in found})
-    named = f"On the H100 (rungs {rung_ranges(rungs, '-')} of {min(when.values())[-10:]}"
+    dates = ", ".join(sorted({where[-10:] for where in when.values()}))  # each folder's "..., YYYY-MM-DD"
+    named = f"On the H100 (rungs {rung_ranges(rungs, '-')} of {dates})"
     assert named in " ".join(block(readme, prediction.README_BLOCK).split())
     # a table typed over by hand, or left behind by the model, is found by --check
     monkeypatch.setattr(prediction, "readme_tables", lambda: readme_gpus)
