@@ -373,7 +373,7 @@ def main():
                                      shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
-    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
+    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader):,} steps/epoch | "
           f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
@@ -390,7 +390,8 @@ def main():
                               tokens_per_step=train_loader.batch_size * context,
                               flops_per_token=utilization.flops_per_token(cfg, tokenizer.n_vocab),
                               peak_flops=utilization.peak_flops(device, precision))
-    print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
+    print(f"Model: {cli.describe_model(args, cfg)}, {num_params:,} parameters | "
+          f"{setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(gpu_memory.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
     print(utilization.mfu_line(device, precision))
     clock.start_up("until the first step")
@@ -416,7 +417,7 @@ def main():
         state = train_model(model, optimizer, (train_loader, train_eval_loader, val_loader), setup, save_checkpoint)
     except torch.cuda.OutOfMemoryError:
         raise failures.out_of_memory(device, args.batch_size, context) from None
-    print(f"Training took {(time.time() - start) / 60:.2f} minutes")
+    print(f"Training took {(time.time() - start) / 60:.2f} minutes (evaluation, sampling and compilation included)")
 
     # Outputs: metrics.json, loss.pdf/png, model.pth
     clock.enter("checkpoints and outputs")

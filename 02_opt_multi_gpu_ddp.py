@@ -414,7 +414,7 @@ def main():
                                      shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
-    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
+    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader):,} steps/epoch | "
           f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
@@ -435,7 +435,8 @@ def main():
                               tokens_per_step=train_loader.batch_size * context * world_size,  # NEW (DDP)
                               flops_per_token=utilization.flops_per_token(cfg, tokenizer.n_vocab),
                               peak_flops=utilization.peak_flops(device, precision, world_size))  # NEW (DDP): MFU per GPU
-    print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
+    print(f"Model: {cli.describe_model(args, cfg)}, {num_params:,} parameters | "
+          f"{setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(gpu_memory.memory_line(num_params, cfg, args.batch_size, precision, flash_attention=True))  # NEW (step 7)
     print(utilization.mfu_line(device, precision))
     clock.start_up("until the first step")
@@ -467,7 +468,7 @@ def main():
                             setup, save_checkpoint)
     except torch.cuda.OutOfMemoryError:
         raise failures.out_of_memory(device, args.batch_size, context) from None
-    print(f"Training took {(time.time() - start) / 60:.2f} minutes")
+    print(f"Training took {(time.time() - start) / 60:.2f} minutes (evaluation, sampling and compilation included)")
 
     # NEW (DDP): the replicas must end identical: compare a checksum of the weights across ranks
     checksums = [None] * world_size

@@ -427,7 +427,7 @@ def main():
                                      shuffle=True, drop_last=True, seed=args.seed)  # optimizer step's micro-batches
     train_eval_loader = create_dataloader(train_dataset, args.batch_size, shuffle=False, drop_last=True)
     val_loader = create_dataloader(val_dataset, args.batch_size, shuffle=False, drop_last=False)
-    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader)} steps/epoch | "
+    print(f"Data: {args.data} | train {len(train_dataset.tokens):,} tokens, {len(train_loader):,} steps/epoch | "
           f"validation {len(val_dataset.tokens):,} tokens | {cli.describe_batch(args, context)}")
 
     # Model and optimizer
@@ -449,7 +449,8 @@ def main():
                               hardware_flops_per_token=sharding.hardware_flops_per_token(  # NEW (FSDP): HFU
                                   cfg, tokenizer.n_vocab, args.activation_checkpointing),
                               peak_flops=utilization.peak_flops(device, precision, world_size))  # NEW (DDP): MFU per GPU
-    print(f"Model: {num_params:,} parameters | {setup.flops_per_token / 1e9:.2f} GFLOPs per token")
+    print(f"Model: {cli.describe_model(args, cfg)}, {num_params:,} parameters | "
+          f"{setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(utilization.mfu_line(device, precision))
     clock.start_up("until the first step")
     memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
@@ -477,7 +478,7 @@ def main():
                             setup, save_checkpoint)
     except torch.cuda.OutOfMemoryError:
         raise failures.out_of_memory(device, args.batch_size, context) from None
-    print(f"Training took {(time.time() - start) / 60:.2f} minutes")
+    print(f"Training took {(time.time() - start) / 60:.2f} minutes (evaluation, sampling and compilation included)")
 
     if rank != 0:
         return  # NEW (DDP): only rank 0 writes files

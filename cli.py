@@ -51,6 +51,13 @@ MODEL_SIZES = {
 }
 
 
+def describe_model(args, cfg):
+    """The header's name of the model: "gpt2-small (12 layers, 768 wide)", or "tiny (--tiny: 2 layers, 64 wide)",
+    which --model does not change."""
+    name = "tiny (--tiny: " if args.tiny else f"{args.model} ("
+    return f"{name}{cfg['n_layers']} layers, {cfg['emb_dim']} wide)"
+
+
 def model_config(args, config, tiny_config, resume=None):
     """The model config of this run: --tiny's, or the stage's config at the size --model names. The checkpoint of
     --resume (`resume`) must hold the same config: checked here, before the corpus is read and the model built."""
@@ -74,7 +81,7 @@ PLAIN_DEFAULTS = {"save_every": 0, "data": "shakespeare", "seed": 123, "tiny": F
                   "grad_accum_steps": 1}
 # The help of 01 to 03's --grad-accum-steps (step 10: the batch a step needs, in micro-batches that fit)
 GRAD_ACCUM_HELP = ("micro-batches of --batch-size per optimizer step, each its own forward and backward pass; "
-                   "the global batch is --batch-size x N x processes (default: 1)")
+                   "the global batch is --batch-size x GRAD_ACCUM_STEPS x processes (default: 1)")
 
 
 def build_parser(description, settings, tiny_settings):
@@ -126,7 +133,8 @@ def build_parser(description, settings, tiny_settings):
                              "interrupt (default: 0)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile training steps {profiled} to {profiled + inspection.PROFILE_ACTIVE - 1} "
-                             "(counted from 0, as in the log) with torch.profiler, the ones before warm up and "
+                             "(counted from 0, as in the log; later, where an evaluation, a checkpoint or an epoch's "
+                             "end would fall among them) with torch.profiler, the ones before warm up and "
                              "compile: a trace under <out>/profile/ and a table of the top operators; those steps "
                              "are left out of tok/s")
     parser.add_argument("--memory-snapshot", action="store_true",
@@ -199,7 +207,7 @@ def _optimizer_step(args):
 def describe_split(batch_size, grad_accum_steps=1, world_size=1):
     """"4 x 2 processes = 8 sequences": a global batch and how it is split ("4 sequences" where it is not)."""
     sequences, factors = global_batch(batch_size, grad_accum_steps, world_size)
-    return f"{factors} = {sequences} sequences" if factors != str(sequences) else f"{sequences} sequences"
+    return f"{factors} = {sequences:,} sequences" if factors != str(sequences) else f"{sequences:,} sequences"
 
 
 def describe_batch(args, context):
@@ -214,13 +222,16 @@ def describe_batch(args, context):
 def check_splits(args, train_windows, val_windows, context):
     """Refuse (exit code 2) a corpus too short for one optimizer step (every micro-batch of every process) or for
     one validation window."""
-    needed, factors = _optimizer_step(args)
+    needed, _ = _optimizer_step(args)
+    window = f"{context + 1} tokens (a window of {context} and the token after it, its last target)"
     if train_windows < needed:
-        raise UsageError(f"the training split of '{args.data}' holds {train_windows} windows of {context + 1} tokens, "
-                         f"fewer than one optimizer step of {factors} = {needed}: use a longer text or a smaller "
-                         "--batch-size" + (" or fewer --grad-accum-steps" if needed > args.batch_size else ""))
+        split = describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), processes())
+        raise UsageError(f"the training split of '{args.data}' holds {train_windows:,} "
+                         f"{'window' if train_windows == 1 else 'windows'} of {window}, fewer than one optimizer step "
+                         f"of {split}: use a longer text or a smaller --batch-size"
+                         + (" or fewer --grad-accum-steps" if needed > args.batch_size else ""))
     if val_windows == 0:
-        raise UsageError(f"the validation split of '{args.data}' is shorter than one window of {context + 1} tokens: "
+        raise UsageError(f"the validation split of '{args.data}' is shorter than one window of {window}: "
                          "use a longer text (or prepare it with a larger --val-fraction)")
 
 

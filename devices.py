@@ -96,7 +96,8 @@ def describe_device(device, matmul_precision=True):
     if device.type == "mps":
         return f"Apple GPU via MPS (macOS {platform.mac_ver()[0] or 'unknown'})"
     if device.type != "cuda":
-        return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        return f"CPU ({os.cpu_count()} cores, {threads} thread{'' if threads == 1 else 's'})"
     major, minor = torch.cuda.get_device_capability(device)
     # as the stage set it (step 2): "high" or "medium" lets float32 matmuls use TF32, where the GPU has it
     tf32 = "TF32 on" if torch.get_float32_matmul_precision() != "highest" and major >= 8 else "no TF32"

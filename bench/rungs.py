@@ -331,8 +331,8 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
         notes.append(f"--batch-size {batch_size} for every rung: step 10 (the larger batch) changes nothing here")
     elif number == 10:
         before = training_settings(9, tiny, stage00, stage01)["batch_size"]
-        notes.append(f"batch {before} -> {settings['batch_size']}"
-                     + (" (--tiny keeps the stages' tiny batch)" if before == settings["batch_size"] else ""))
+        notes.append(f"batch {before} -> {settings['batch_size']}" if before != settings["batch_size"]
+                     else f"batch {before}, as at rung 9 (--tiny keeps the stages' tiny batch)")
     override = batch_size_note(batch_size, own_batch)
     if override:
         notes.append(override)

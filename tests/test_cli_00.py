@@ -33,6 +33,10 @@ def test_tiny_run_end_to_end(stage00, small_text, tmp_path):
     assert all(value.isdigit() and int(value) > 0 for value in averages[1:])
     assert not any("MFU" in line for line in log_lines), "no MFU on a CPU: its peak is unknown"
     assert sum(line.startswith("Every effort moves you") for line in lines) == 1, "one epoch, one sample"
+    # the header names the model --tiny trains (whatever --model says) and the processor's threads
+    assert any(line.startswith("Model: tiny (--tiny: 2 layers, 64 wide), ") for line in lines), lines[:6]
+    threads = re.search(r"CPU \(\d+ cores?, (\d+) (threads?)\)", result.stdout)
+    assert threads and (threads.group(2) == "thread") == (threads.group(1) == "1"), lines[0]
 
     # the four files
     for name in OUTPUTS:

@@ -70,7 +70,12 @@ def test_inspection_flags_that_cannot_work_stop_before_training(case, small_text
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    expected = {"profile-too-short": "--max-steps 9", "snapshot-off-cuda": "needs a GPU"}[case]
+    # --tiny evaluates every 5 steps: steps 5-8 would hold the evaluation after step 5, so the run to suggest is
+    # the one whose window is clear of it: warm-up step 6, steps 7-9 kept (not 6-8 and --max-steps 9, whose run
+    # would then warn that its evaluation falls among its profiled steps)
+    expected = {"profile-too-short": "records steps 7 to 9 (after the warm-up, with no evaluation among them), but "
+                                     "this run's last step is 7: use --max-steps 10 or more",
+                "snapshot-off-cuda": "needs a GPU"}[case]
     assert expected in lines[0]
     assert "Ep 1" not in result.stdout and not (tmp_path / "run" / "model.pth").exists()
 

@@ -328,7 +328,8 @@ def test_splits_too_short_for_a_step_or_a_window_are_refused(tmp_path, stage01):
     args = argparse.Namespace(data="DIR", batch_size=4, grad_accum_steps=1)
     short = write(tmp_path / "short.txt", "Too few words for a batch of four windows of sixty-four tokens.\n" * 6)
     prepare([short], tmp_path / "short", workers=1)
-    with pytest.raises(UsageError, match="fewer than one optimizer step"):
+    with pytest.raises(UsageError, match=r"window(s)? of 65 tokens \(a window of 64 and the token after it, its last "
+                                         r"target\), fewer than one optimizer step of 4 sequences: use"):
         cli.check_splits(args, *windows(tmp_path / "short"))
     prepare([write(tmp_path / "mid.txt", load_text("shakespeare")[:8_000])], tmp_path / "mid", workers=1,
             val_fraction=0.01)
