@@ -86,6 +86,7 @@ KNOWN = [
     ("norm2", "var_mean[1]", "the norm's mean per token"),
     ("norm1", "rsqrt", "the norm's 1 / std per token"),
     ("norm2", "rsqrt", "the norm's 1 / std per token"),
+    ("-", "div", "a norm's 1 / std / width, per token", 3),  # LayerNorm's backward uses it
     ("-", "cast of a parameter", "a weight's bf16 copy, for the matmuls' backward"),
     ("-", "mm", "the head input's gradient, made in the forward (chunked loss)"),
     ("-", "addmm", "the head weight's gradient, made in the forward (chunked loss), in bf16", 2),
