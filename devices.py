@@ -117,7 +117,7 @@ def cpu_speed_note(flops_per_step, steps_per_epoch):
     rate = 4 * 2 * 1024**3 / (time.perf_counter() - start)
     seconds_per_step = flops_per_step / rate
     epoch_hours = seconds_per_step * steps_per_epoch / 3600
-    return (f"Note: the full 124M model on this CPU needs at least ~{seconds_per_step:.0f} s per step "
+    return (f"Note: this model needs at least ~{seconds_per_step:.0f} s per step on this CPU "
             f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
             "matmul speed); add --tiny for a small model that trains in seconds.")
 

@@ -554,3 +554,18 @@ def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch
     line = gpu_memory.peak_memory_line(metrics)
     assert "11.00 GiB allocated, 12.50 GiB reserved after the first interval" in line and "16.00 GiB reserved" in line
     assert gpu_memory.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None
+
+
+def test_the_cpu_note_estimates_a_step_from_this_cpus_matmul_speed():
+    """The note a full-size run prints on a CPU: one line whose seconds per step and hours per epoch follow from
+    the FLOPs of a step and the matmul speed it measured, and which points to --tiny."""
+    import re
+
+    note = devices.cpu_speed_note(flops_per_step=3e12, steps_per_epoch=41)
+    found = re.fullmatch(r"Note: this model needs at least ~(\d+) s per step on this CPU \(~([\d.]+) h per epoch of "
+                         r"41 steps, at its (\d+) GFLOP/s matmul speed\); add --tiny for a small model that trains in "
+                         r"seconds\.", note)
+    assert found, note
+    seconds, hours, rate = int(found[1]), float(found[2]), int(found[3]) * 1e9
+    assert seconds == pytest.approx(3e12 / rate, rel=0.02, abs=1)
+    assert hours == pytest.approx(seconds * 41 / 3600, rel=0.05, abs=0.05)
