@@ -78,10 +78,11 @@ class RunInspection:
         profiled_last = start + PROFILE_WARMUP + PROFILE_ACTIVE  # one past the last, 0-based
         if args.profile and total_steps < profiled_last:  # the run to suggest: one whose window is clear
             clear = profile_start(first_step, first_step + 20_000, *between_steps)
-            last = (clear if window_is_clear(clear, *between_steps) else start) + PROFILE_WARMUP + PROFILE_ACTIVE
-            raise UsageError(f"--profile records steps {last - PROFILE_ACTIVE} to {last - 1} (after the warm-up, with "
-                             f"no evaluation among them), but this run's last step is {total_steps - 1}: use "
-                             f"--max-steps {last} or more (or 0)")
+            found = window_is_clear(clear, *between_steps)
+            last = (clear if found else start) + PROFILE_WARMUP + PROFILE_ACTIVE
+            raise UsageError(f"--profile records steps {last - PROFILE_ACTIVE} to {last - 1}"
+                             + (" (after the warm-up, with no evaluation among them)" if found else "")
+                             + f", but this run's last step is {total_steps - 1}: use --max-steps {last} or more (or 0)")
         is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
         self.profiler = self.snapshot = None
         if args.profile and is_writer:
