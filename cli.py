@@ -250,10 +250,15 @@ def check_continuation(checkpoint, args, tokens_per_step):
     context). It must be the checkpoint's, however it is split: the steps done and the position in the epoch are
     counted in steps of that batch, and the learning rate was set for it."""
     if checkpoint["tokens_per_step"] != tokens_per_step:
-        ours = describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), processes())
+        accumulation = getattr(args, "grad_accum_steps", None)  # None: stage 00, which has no accumulation
+        ours = describe_split(args.batch_size, accumulation or 1, processes())
+        per_micro_batch = tokens_per_step // (accumulation or 1)  # --batch-size x processes x context
+        fits = accumulation and checkpoint["tokens_per_step"] % per_micro_batch == 0
         raise UsageError(f"--resume {args.resume}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens "
                          f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
-                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)")
+                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)"
+                         + (f"; with this --batch-size and these processes: --grad-accum-steps "
+                            f"{checkpoint['tokens_per_step'] // per_micro_batch}" if fits else ""))
     if checkpoint["settings"].get("seed") != args.seed:
         raise UsageError(f"--resume {args.resume}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
                          "pass the same seed, so the batch order continues")

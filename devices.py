@@ -117,9 +117,14 @@ def cpu_speed_note(flops_per_step, steps_per_epoch):
     rate = 4 * 2 * 1024**3 / (time.perf_counter() - start)
     seconds_per_step = flops_per_step / rate
     epoch_hours = seconds_per_step * steps_per_epoch / 3600
+    try:  # the machine's RAM, beside the header's estimate: a run that outgrows it is killed without a word
+        ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        ram = f"; the memory estimate above must fit in its {ram_gib:.1f} GiB of RAM"
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        ram = ""
     return (f"Note: this model needs at least ~{seconds_per_step:.0f} s per step on this CPU "
             f"(~{epoch_hours:.1f} h per epoch of {steps_per_epoch} steps, at its {rate / 1e9:.0f} GFLOP/s "
-            "matmul speed); add --tiny for a small model that trains in seconds.")
+            f"matmul speed){ram}; add --tiny for a small model that trains in seconds.")
 
 
 # ---------------------------------------------------------------------------------------------

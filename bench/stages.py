@@ -202,9 +202,11 @@ def cache_note(names):
         said.append("01-cold compiled into an empty cache")
     if "01-warm" in names:
         said.append("01-warm into the cache 01-cold filled")
-    others = [name for name in names if name not in ("01-cold", "01-warm")]
+    others = [name for name in names if name not in ("00", "01-cold", "01-warm")]
     if others:
         said.append(f"{' and '.join(others)} {'each ' if len(others) > 1 else ''}started with an empty cache")
+    if "00" in names:
+        said.append("00 compiles nothing")
     return "; ".join(said) + "."
 
 

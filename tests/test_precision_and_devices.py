@@ -563,9 +563,15 @@ def test_the_cpu_note_estimates_a_step_from_this_cpus_matmul_speed():
 
     note = devices.cpu_speed_note(flops_per_step=3e12, steps_per_epoch=41)
     found = re.fullmatch(r"Note: this model needs at least ~(\d+) s per step on this CPU \(~([\d.]+) h per epoch of "
-                         r"41 steps, at its (\d+) GFLOP/s matmul speed\); add --tiny for a small model that trains in "
-                         r"seconds\.", note)
+                         r"41 steps, at its (\d+) GFLOP/s matmul speed\); the memory estimate above must fit in its "
+                         r"([\d.]+) GiB of RAM; add --tiny for a small model that trains in seconds\.", note)
     assert found, note
+    from pathlib import Path
+
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():  # Linux: the kernel's own count of the RAM, MemTotal, in KiB
+        total = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemTotal:"))
+        assert float(found[4]) == pytest.approx(total / 2**20, abs=0.1)
     seconds, hours, rate = int(found[1]), float(found[2]), int(found[3]) * 1e9
     assert seconds == pytest.approx(3e12 / rate, rel=0.02, abs=1)
     assert hours == pytest.approx(seconds * 41 / 3600, rel=0.05, abs=0.05)

@@ -333,3 +333,30 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step(tmp_path, smal
     assert "Connection closed" not in stderr and "exited unexpectedly" not in stderr
     checkpoint = torch.load(out / "model.pth", weights_only=True)  # no --save-every: written on the signal
     assert checkpoint["step"] >= 11
+
+
+def test_a_changed_global_batch_names_the_accumulation_that_keeps_it(monkeypatch):
+    """cli.check_continuation: 01 to 03 are told the --grad-accum-steps that gives the checkpoint's global batch at
+    this run's --batch-size and processes, where one does; 00 (no accumulation), or a batch that does not divide
+    the checkpoint's, gets no suggestion."""
+    import argparse
+
+    import cli
+
+    checkpoint = {"tokens_per_step": 8 * 64, "config": {"context_length": 64}, "settings": {"batch_size": 4,
+                                                                                            "grad_accum_steps": 2}}
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def refusal(batch_size, grad_accum_steps=None):
+        args = argparse.Namespace(resume="model.pth", batch_size=batch_size, seed=123)
+        if grad_accum_steps is not None:
+            args.grad_accum_steps = grad_accum_steps
+        tokens = batch_size * (grad_accum_steps or 1) * 64
+        with pytest.raises(failures.UsageError) as raised:
+            cli.check_continuation(checkpoint, args, tokens)
+        return str(raised.value)
+
+    assert refusal(2, 1).endswith("; with this --batch-size and these processes: --grad-accum-steps 4")
+    assert refusal(8, 2).endswith("; with this --batch-size and these processes: --grad-accum-steps 1")
+    assert refusal(3, 1).endswith("(how it is split may change)")  # 3 sequences do not divide 8
+    assert refusal(2).endswith("(how it is split may change)")  # stage 00: no --grad-accum-steps to suggest

@@ -262,7 +262,8 @@ def test_a_changed_global_batch_is_refused_once_per_launch(matrix):
     assert errors == [f"error: --resume {root / REFUSED / 'model.pth'}: the checkpoint trained 512 tokens per step "
                       "(2 x 2 accumulation steps x 2 processes = 8 sequences), this run 256 (2 x 2 processes = 4 "
                       "sequences): keep the global batch, --batch-size x --grad-accum-steps x processes (how it is "
-                      "split may change)"], stderr[-3000:]
+                      "split may change); with this --batch-size and these processes: --grad-accum-steps 2"], (
+        stderr[-3000:])
     assert not [line for line in stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
     exit_codes = [line.split(":")[1].split()[0] for line in stderr.splitlines() if line.strip().startswith("exitcode")]
     # torchrun's report: the first rank to end exited 2, and every other rank it lists exited 2 too, or was still on
