@@ -42,6 +42,15 @@ def profile_start(first_step, total_steps, eval_freq, save_every, steps_per_epoc
     return earliest
 
 
+def steps_for_a_clear_window(first_step, eval_freq, save_every, steps_per_epoch=0):
+    """The --max-steps of the shortest run from `first_step` whose profiled steps have nothing but training between
+    them (profile_start), or None where no run has (--eval-freq 1, say)."""
+    start = profile_start(first_step, first_step + 20_000, eval_freq, save_every, steps_per_epoch)
+    if window_is_clear(start, eval_freq, save_every, steps_per_epoch):
+        return start + PROFILE_WARMUP + PROFILE_ACTIVE
+    return None
+
+
 def window_is_clear(start, eval_freq, save_every, steps_per_epoch=0):
     """Whether nothing but training follows the profile's warm-up step `start` or a kept step but the last."""
     return not any(step % eval_freq == 0 or (save_every and (step + 1) % save_every == 0)
@@ -76,13 +85,13 @@ class RunInspection:
         between_steps = (args.eval_freq, args.save_every, steps_per_epoch)  # what may run after a step
         start = profile_start(first_step, total_steps, *between_steps)  # the warm-up step
         profiled_last = start + PROFILE_WARMUP + PROFILE_ACTIVE  # one past the last, 0-based
+        clear_end = steps_for_a_clear_window(first_step, *between_steps) if args.profile else None
         if args.profile and total_steps < profiled_last:  # the run to suggest: one whose window is clear
-            clear = profile_start(first_step, first_step + 20_000, *between_steps)
-            found = window_is_clear(clear, *between_steps)
-            last = (clear if found else start) + PROFILE_WARMUP + PROFILE_ACTIVE
+            last = clear_end or profiled_last
             raise UsageError(f"--profile records steps {last - PROFILE_ACTIVE} to {last - 1}"
-                             + (" (after the warm-up, with no evaluation among them)" if found else "")
-                             + f", but this run's last step is {total_steps - 1}: use --max-steps {last} or more (or 0)")
+                             + (" (after the warm-up, with no evaluation among them)" if clear_end else "")
+                             + f", but this run's last step is {total_steps - 1}: use --max-steps {last} or more "
+                               "(or 0)")
         is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
         self.profiler = self.snapshot = None
         if args.profile and is_writer:
@@ -97,11 +106,9 @@ class RunInspection:
             self.profiler.start()
             self.profiled_steps = range(start, profiled_last)  # warm-up and active
             if not window_is_clear(start, *between_steps):
-                clear = profile_start(first_step, first_step + 20_000, *between_steps)
                 print(f"--profile: an evaluation, a checkpoint or an epoch's end falls among profiled steps {start}-"
                       f"{profiled_last - 1}, and this run ends too soon to move past it: its work is in the trace"
-                      + (f" (--max-steps {clear + PROFILE_WARMUP + PROFILE_ACTIVE} moves the window clear of it)"
-                         if window_is_clear(clear, *between_steps) else ""), flush=True)
+                      + (f" (--max-steps {clear_end} moves the window clear of it)" if clear_end else ""), flush=True)
             self.off_clock_steps = range(start - 1, profiled_last)  # and the step that switches the profiler on
         if args.memory_snapshot and is_writer:
             # Python stacks only: the C++ frames ("all", the default) are symbolized at the dump, which can take
