@@ -210,12 +210,12 @@ def readme_table(tables):
                                                 range(1, 11)) + f" | {found[10]:,.0f} |")
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
-        "and six numbers fitted on the H200's ladder and profile (a share of the peak per kind of work, a cost per "
-        "kernel launch: so a gain can differ from its step's ceiling). On the H100 (rungs "
-        f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, the error per rung is {100 * median:.0f}% "
-        f"(median), {100 * worst:.0f}% at worst. Other generations: an "
-        "extrapolation; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing; A10: its own row, not "
-        "\"A10G\". [The method](docs/roofline.md#predictions-for-your-gpu).",
+        "and six numbers fitted on the H200's measurements (a share of the peak per kind of work, a cost per "
+        "launch: so a gain can differ from its ceiling). On the H100 (rungs "
+        f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, predictions "
+        f"missed each rung's tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other "
+        "generations: extrapolated; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing. "
+        "[Method](docs/roofline.md#predictions-for-your-gpu).",
         width=118, break_on_hyphens=False)
     return "\n".join(lines)
 
