@@ -244,7 +244,7 @@ def calc_loss_loader(data_loader, model, device, num_batches=None):
         input_batch = F.pad(input_batch, (0, 0, 0, missing_rows))  # (0, 0): no columns; (0, missing_rows): rows below
         target_batch = F.pad(target_batch, (0, 0, 0, missing_rows), value=-100)  # ... whose targets the loss skips
         total += calc_loss_batch(input_batch, target_batch, model, device).item()
-    if dist.get_rank() >= num_batches % dist.get_world_size() > 0:  # NEW (FSDP): every forward gathers the weights
+    if 0 < num_batches % dist.get_world_size() <= dist.get_rank():  # NEW (FSDP): every forward gathers the weights
         dummy = torch.zeros(data_loader.batch_size, input_batch.shape[1], dtype=torch.long)  # with all ranks: the
         calc_loss_batch(dummy, dummy, model, device)  # ranks a batch short run one more, not counted
     total = torch.tensor(total, dtype=torch.float64, device=device)  # NEW (DDP)
@@ -457,13 +457,13 @@ def main():
     if device.type == "cpu" and not args.tiny:
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 
-    if resume:
+    if resume:  # NEW (FSDP): checked against this run's batch and seed in sharding.load_checkpoint
         sharding.load_checkpoint(model, optimizer, setup, len(train_loader))  # NEW (FSDP): its shards
         checkpoints.restore_rng(checkpoints.rng_of_rank(resume["rng"], rank, args.seed), device)  # NEW (DDP): its own
         print(cli.resume_line(args, resume))
 
     def save_checkpoint(progress):
-        """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
+        """NEW (FSDP): every rank writes its shards to model.dcp/, then rank 0 a model.pth that names them."""
         rng_states = [None] * world_size  # NEW (DDP): every rank's random state, for an exact --resume
         dist.all_gather_object(rng_states, progress["rng"])
         progress["rng"] = rng_states

@@ -26,7 +26,8 @@ def claim_out_dir(out):
 
     The lock is an OS file lock (flock) on <out>/.run.lock: the OS releases it when its process ends, however it
     ends, so a crashed or killed run never leaves a stale lock behind, and the files of a finished run are no
-    obstacle. In a distributed run rank 0 holds it for the job (the other ranks write nothing).
+    obstacle. In a distributed run rank 0 holds it for the job (the other ranks write only 03's checkpoint
+    shards).
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -77,7 +78,7 @@ def _undo_claim(out, made):
             return
 
 
-# How long a collective may wait in 02 before the job is declared broken (a lost process): NCCL's own default.
+# How long a collective may wait in 02 and 03 before the job is declared broken (a lost process): NCCL's own default.
 # It has to cover the longest wait of a healthy run: rank 0 writing a checkpoint (about 2 GB at full size: this
 # allows a disk down to about 3.3 MB/s) while the others wait in their next gradient all-reduce, or one rank compiling
 # slower than the rest. On one node a lost process ends the job at once (torchrun stops the other workers);

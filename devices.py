@@ -14,7 +14,7 @@ from failures import UsageError
 def pick_device(choice, distributed=False):
     """The torch.device for --device. `auto` prefers CUDA, then Apple's MPS, then the CPU.
 
-    `distributed` (stage 02): torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo CPU
+    `distributed` (stages 02 and 03): torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo CPU
     and CUDA), so there `auto` takes the CPU instead of MPS, and an explicit `--device mps` is refused.
     """
     import torch
@@ -191,7 +191,7 @@ def has_fused(device):
 
 
 def apply_fallbacks(device):
-    """Stages 01 and 02: one line for each optimization that cannot work on `device`, which then runs without it.
+    """Stages 01 to 03: one line for each optimization that cannot work on `device`, which then runs without it.
 
     On CUDA and the CPU every step works. On Apple's MPS: pinned memory is a CUDA feature (step 4), fused AdamW
     and bfloat16 depend on the PyTorch and macOS versions (steps 3 and 5), and torch.compile's MPS backend is

@@ -96,10 +96,12 @@ def flops_per_token(cfg, vocab_size):
     return 6 * matmul_weights + 12 * layers * d * context
 
 
-def mfu(tokens_per_sec_per_gpu, flops_per_tok, peak):
-    if not peak or not tokens_per_sec_per_gpu:
+def mfu(tokens_per_sec, flops_per_tok, peak):
+    """The share of `peak` that `tokens_per_sec` uses; under several processes both are the whole job's (the peak of
+    all its GPUs), which gives the MFU per GPU. None where either is unknown."""
+    if not peak or not tokens_per_sec:
         return None
-    return tokens_per_sec_per_gpu * flops_per_tok / peak
+    return tokens_per_sec * flops_per_tok / peak
 
 
 def counted_flops_per_token(build_model, context_length):
