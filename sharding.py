@@ -199,7 +199,8 @@ def _gb(num_bytes):  # GiB, as every memory figure of the stages; MiB below a te
 def hardware_flops_per_token(cfg, vocab_size, activation_checkpointing):
     """utilization.flops_per_token plus, with activation checkpointing, the blocks' forward done again in backward:
     forward is a third of a block's training FLOPs (2 of 6 per weight), so recomputed blocks cost 8/6 of their
-    model FLOPs. The output head is not recomputed. MFU counts the model's FLOPs, HFU the hardware's."""
+    model FLOPs. The output head is not recomputed. MFU counts the model's FLOPs, HFU the recomputation too (both
+    leave out the padded vocabulary columns of step 9: `vocab_size` is the real one)."""
     model_flops = utilization.flops_per_token(cfg, vocab_size)
     if not activation_checkpointing:
         return model_flops
