@@ -13,6 +13,7 @@ __all__ = ["UsageError", "DamagedWindow", "TrainingError", "OutputError", "Nothi
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 resume_hint = None  # the command that continues this run, for an interrupt's message (cli.resolve_settings sets it)
+training_over = False  # set once training ended: then a failed write of the outputs has nothing to resume
 _undo_on_usage_error = []  # what a run made before it found its input wrong (see on_usage_error)
 
 
@@ -107,7 +108,9 @@ def process_done(exit_code):
 
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes")."""
+    global training_over
     _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
+    training_over = False
     try:
         main()
     except UsageError as err:

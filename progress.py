@@ -179,5 +179,6 @@ class TrainingProgress:
 
     def finish(self):
         """At the end of training: where the run stands, with the profile's folder (if one was taken)."""
+        failures.training_over = True  # the final checkpoint is written: a failed output write cannot be resumed
         self.now.profile = self.inspector.finish()
         return self.now

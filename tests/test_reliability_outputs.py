@@ -134,6 +134,8 @@ def test_a_read_only_folder_for_the_plots_ends_with_one_line(small_text, tmp_pat
     assert result.returncode == 1, result.stderr[-3000:]
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and "loss.pdf" in lines[0] and "Read-only file system" in lines[0], result.stderr
+    # training is over and its checkpoint final: a --resume would train nothing and write no plot
+    assert "--resume" not in lines[0] and "holds the trained model" in lines[0], lines[0]
     assert "Traceback" not in result.stderr
     assert torch.load(out / "model.pth", weights_only=True)["step"] == 6 and (out / "metrics.json").exists()
     assert not leftover_temporaries(out)
