@@ -280,8 +280,15 @@ def resume_line(args, checkpoint):
     """The header line of a resumed run: where it continues and which settings came from the checkpoint."""
     flags = ", ".join(f"--{flag.replace('_', '-')}" + ("" if flag == "tiny" else f" {getattr(args, flag)}")
                       for flag in checkpoint.flags_taken if flag != "tiny" or args.tiny)
+    states = checkpoint.get("rng")  # 02 and 03 keep one random state per process, 00 and 01 one
+    written_by, now = len(states) if isinstance(states, list) else 1, processes()
+    other_count = written_by != now and "world_size" not in checkpoint  # 03 says so in its "Resharding" line
     return (f"Resuming {args.resume} after step {checkpoint['step'] - 1:06d} (epoch {checkpoint['epoch'] + 1})"
-            + (f" | from the checkpoint: {flags}" if flags else ""))
+            + (f" | from the checkpoint: {flags}" if flags else "")
+            + (f" | written by {written_by} process(es), this run has {now}: the global batch is the same, so each "
+               "step trains the same windows" if other_count else "")
+            + ("; ranks the checkpoint had no random state for draw new dropout masks" if other_count and now >
+               written_by else ""))
 
 
 def continue_command(args):

@@ -119,7 +119,8 @@ def cpu_speed_note(flops_per_step, steps_per_epoch):
     epoch_hours = seconds_per_step * steps_per_epoch / 3600
     try:  # the machine's RAM, beside the header's estimate: a run that outgrows it is killed without a word
         ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        ram = f"; the memory estimate above must fit in its {ram_gib:.1f} GiB of RAM"
+        ram = (f"; the memory estimate above (a GPU's) is a floor here, and a run that outgrows this machine's "
+               f"{ram_gib:.1f} GiB of RAM is killed without a word")
     except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
         ram = ""
     return (f"Note: this model needs at least ~{seconds_per_step:.0f} s per step on this CPU "

@@ -161,7 +161,7 @@ class ShardMemory:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (f"Memory per rank: weights + gradients + AdamW state ~ 16 bytes x {self.num_params:,} parameters / "
                 f"{ranks} = {_gb(self.formula_bytes_per_rank)} (DDP holds {_gb(16 * self.num_params)} "
-                f"on every GPU); activations ~ "
+                f"on every rank); activations ~ "
                 f"{_gb(per_token * tokens)} at {batch_size} x {cfg['context_length']} tokens"
                 + (" with activation checkpointing" if activation_checkpointing else "")
                 + "; measured after the first step")

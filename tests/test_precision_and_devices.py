@@ -563,8 +563,9 @@ def test_the_cpu_note_estimates_a_step_from_this_cpus_matmul_speed():
 
     note = devices.cpu_speed_note(flops_per_step=3e12, steps_per_epoch=41)
     found = re.fullmatch(r"Note: this model needs at least ~(\d+) s per step on this CPU \(~([\d.]+) h per epoch of "
-                         r"41 steps, at its (\d+) GFLOP/s matmul speed\); the memory estimate above must fit in its "
-                         r"([\d.]+) GiB of RAM; add --tiny for a small model that trains in seconds\.", note)
+                         r"41 steps, at its (\d+) GFLOP/s matmul speed\); the memory estimate above \(a GPU's\) is a floor "
+                         r"here, and a run that outgrows this machine's ([\d.]+) GiB of RAM is killed without a word; "
+                         r"add --tiny for a small model that trains in seconds\.", note)
     assert found, note
     from pathlib import Path
 

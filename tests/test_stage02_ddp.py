@@ -385,3 +385,29 @@ def test_readme_documents_per_process_and_global_batch():
         "the multi-GPU section should say that --batch-size is per process"
     assert re.search(r"global batch|effective batch|total batch", section, re.I), \
         "the multi-GPU section should give the global batch (processes x --batch-size)"
+
+
+def test_a_resume_at_another_process_count_says_what_it_keeps(monkeypatch):
+    """02 resumes at another number of processes when the global batch is the same: its resume line says so, and
+    which ranks draw new dropout masks; 03 says it in its "Resharding" line, 00 and 01 run one process."""
+    import argparse
+
+    import checkpoints
+    import cli
+
+    args = argparse.Namespace(resume="runs/x/model.pth", tiny=False)
+    of_02 = checkpoints.Checkpoint({"step": 8, "epoch": 1, "rng": [{}, {}]})  # two ranks' random states
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    fewer = cli.resume_line(args, of_02)
+    assert fewer == ("Resuming runs/x/model.pth after step 000007 (epoch 2) | written by 2 process(es), this run "
+                     "has 1: the global batch is the same, so each step trains the same windows"), fewer
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert cli.resume_line(args, of_02).endswith(
+        "this run has 4: the global batch is the same, so each step trains the same windows; ranks the checkpoint "
+        "had no random state for draw new dropout masks")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "written by" not in cli.resume_line(args, of_02)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    of_03 = checkpoints.Checkpoint({"step": 8, "epoch": 1, "rng": [{}, {}], "world_size": 2})
+    of_01 = checkpoints.Checkpoint({"step": 8, "epoch": 1, "rng": {}})
+    assert "written by" not in cli.resume_line(args, of_03) + cli.resume_line(args, of_01)
