@@ -127,7 +127,8 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=123, help="random seed of every rung (default: 123)")
     parser.add_argument("--out", help="results folder; parts measured into one folder make one table (default: "
                                       "bench/results/<gpu or cpu name>/, with a -<model> suffix for a model other "
-                                      "than gpt2-small and -tiny under --tiny)")
+                                      "than gpt2-small, -context-N under --context-length, -<option> for each "
+                                      "--option and -tiny under --tiny)")
     parser.add_argument("--roofline", metavar="PATH",
                         help=f"cost_model/roofline.py's {report.ROOFLINE_NAME} for this GPU: a measured / ceiling column "
                              "(default: the one in the results folder, if it models the same GPU)")

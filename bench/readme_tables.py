@@ -171,8 +171,10 @@ def ceilings_table(ladder):
 def stages_section(stages, folder):
     runs = {row["run"]: row for row in stages["runs"]}
     dates = sorted(part["date"][:10] for part in stages["parts"])
-    lines = [f"**The stages end to end** on the {stages['device']}, PyTorch {stages['torch']}, CUDA "
-             f"{stages.get('cuda') or 'n/a'}, {dates[0] if dates[0] == dates[-1] else f'{dates[0]} to {dates[-1]}'}, "
+    cuda = f"CUDA {stages.get('cuda') or 'n/a'}"
+    cuda = "" if cuda in stages["device"] else f", {cuda}"  # the device's description may name it already
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    lines = [f"**The stages end to end** on the {stages['device']}, PyTorch {stages['torch']}{cuda}, {when}, "
              f"by `bench/stages.py` into `{report.repository_path(folder)}/stages/` (its `stages.md` has the "
              "commands and the logs). Each run with the stage's own defaults.", "", *stage_tables(stages)]
     speeds = {name: row.get("avg_tok_per_sec") for name, row in runs.items() if not row.get("error")}

@@ -1,6 +1,6 @@
 """Published measurements of other GPT-2-small trainings beside this repository's roofline ceilings.
 
-  python cost_model/published.py     # docs/roofline.md's table, in markdown, to stdout (about 10 s of CPU)
+  python cost_model/published.py     # docs/roofline.md's table, in markdown, to stdout (8 s on a 2-core CPU)
 
 Beside this repository's own ladders, these show that the roofline describes reality: every ceiling must lie above
 what others measured doing the same work on the same GPU and batch (the suite checks it). Each row names the rung
