@@ -39,7 +39,7 @@ OTHER_SETTINGS = {
     "learning_rate": 5e-4,
     "weight_decay": 0.1,
     "num_epochs": 5,
-    "batch_size": 32,  # NEW (step 10): 4x the batch, paid for by the memory steps 5-7 saved
+    "batch_size": 32,  # NEW (step 10): 4x the batch, paid for by the memory steps 5-8 saved
     "eval_freq": 20,
     "eval_iter": 5,
     "max_steps": 0,
