@@ -200,6 +200,8 @@ def readme_table(tables):
     """The README's table: per GPU, each step's predicted gain over the step before, and stage 01's tok/s."""
     held_out = tables["H100"]
     checked, median, worst = errors(held_out)
+    own, own_median, own_worst = errors(tables["H200"])  # the fit's own GPU: it need not match every rung either
+    own_worst_rung = max(own, key=lambda rung: abs(own[rung]))
     dates = sorted({date for _, where in measured_beside(held_out).values()
                     for date in re.findall(r"\d{4}-\d{2}-\d{2}", where)})
     lines = ["| GPU | " + " | ".join(f"step {number}" for number in range(1, 11)) + " | stage 01, tok/s |",
@@ -211,9 +213,10 @@ def readme_table(tables):
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
         "and six numbers fitted on the H200's measurements (a share of the peak per kind of work, a cost per "
-        "launch: so a gain can differ from its ceiling). On the H100 (rungs "
+        "launch). On the H100 (rungs "
         f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, predictions "
-        f"missed each rung's tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst. Other "
+        f"missed each rung's tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
+        f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}. Other "
         "generations: extrapolated; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing. "
         "[Method](docs/roofline.md#predictions-for-your-gpu).",
         width=118, break_on_hyphens=False)
