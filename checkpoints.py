@@ -229,9 +229,12 @@ def save_atomically(save, path):
             raise
         hint = _WRITE_FAILURE_HINTS.get(err.errno, "fix the cause or choose another --out")
         checkpoint = Path(path).parent / "model.pth"
-        resume = ("" if not checkpoint.exists() else f", then go on with --resume {checkpoint}"
-                  if not failures.training_over  # after training, the final checkpoint has nothing left to train
-                  else f"; training is over: {checkpoint} holds the trained model and the whole log")
+        if not checkpoint.exists():
+            resume = ""
+        elif failures.training_over:  # the final checkpoint: a --resume would have nothing left to train
+            resume = f"; training is over: {checkpoint} holds the trained model and the whole log"
+        else:
+            resume = f", then go on with --resume {checkpoint}"
         reason = err.strerror or str(err) or type(err).__name__
         raise OutputError(f"cannot write {path}: {reason} (errno {err.errno}); the previous file, if any, is "
                           f"kept: {hint}{resume}") from None

@@ -276,6 +276,10 @@ def _split_of(checkpoint):
     return f" ({describe_split(batch_size, accum_steps, sequences // (batch_size * accum_steps))})"
 
 
+# A resume with more processes than the checkpoint's run: what the ranks it had no random state for do (02 and 03)
+NEW_DROPOUT_MASKS = "ranks the checkpoint had no random state for draw new dropout masks"
+
+
 def resume_line(args, checkpoint):
     """The header line of a resumed run: where it continues and which settings came from the checkpoint."""
     flags = ", ".join(f"--{flag.replace('_', '-')}" + ("" if flag == "tiny" else f" {getattr(args, flag)}")
@@ -287,8 +291,7 @@ def resume_line(args, checkpoint):
             + (f" | from the checkpoint: {flags}" if flags else "")
             + (f" | written by {written_by} process(es), this run has {now}: the global batch is the same, so each "
                "step trains the same windows" if other_count else "")
-            + ("; ranks the checkpoint had no random state for draw new dropout masks" if other_count and now >
-               written_by else ""))
+            + (f"; {NEW_DROPOUT_MASKS}" if other_count and now > written_by else ""))
 
 
 def continue_command(args):

@@ -117,8 +117,7 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
               f"here), so each step trains the same windows of the epoch's shuffled order: the run goes on at step "
               f"{checkpoint['step']} ({checkpoint['batches_done']} of epoch {checkpoint['epoch'] + 1}'s "
               f"{steps_per_epoch} steps done) with the first window not yet trained on"
-              + ("; ranks the checkpoint had no random state for draw new dropout masks."
-                 if world_size > saved_world_size else "."))
+              + (f"; {cli.NEW_DROPOUT_MASKS}." if world_size > saved_world_size else "."))
     del checkpoint["model"]  # the full weights: DCP reads this rank's shards of them instead
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)
