@@ -257,7 +257,7 @@ def check_finite(loss, step, *eval_losses):
 def train_model(model, optimizer, loaders, setup, save_checkpoint):
     """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
     checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
-    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
+    `save_checkpoint(run_state)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
     args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
     run = progress.TrainingProgress(setup, len(train_loader))
@@ -378,11 +378,11 @@ def main():
         checkpoints.restore_rng(resume["rng"], device)  # dropout continues where it left off
         print(cli.resume_line(args, resume))
 
-    def save_checkpoint(progress):
+    def save_checkpoint(run_state):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
-                      "tokens_per_step": setup.tokens_per_step, **progress}
+                      "tokens_per_step": setup.tokens_per_step, **run_state}
         checkpoints.save_torch(checkpoint, out / "model.pth")
 
     start = time.time()

@@ -97,7 +97,7 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # NEW (step 7): one matmul for Q, K and V
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = dropout  # NEW (step 7): a probability: SDPA applies the dropout itself
-        # NEW (step 1): no stored mask buffer; the causal mask is made on the fly (by SDPA since step 7)
+        # NEW (step 1): no mask buffer (context_length goes unused): the causal mask is made on the fly (step 7: SDPA)
 
     def forward(self, x):
         batch, num_tokens, _ = x.shape
@@ -106,7 +106,7 @@ class MultiHeadAttention(nn.Module):
             return t.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
 
         queries, keys, values = map(split_heads, self.qkv(x).chunk(3, dim=-1))
-        # NEW (step 7): scaled_dot_product_attention picks FlashAttention on the GPU: no tokens x tokens matrix
+        # NEW (step 7): scaled_dot_product_attention picks a fused kernel (FlashAttention from Ampere on): no scores
         context = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
                                                  dropout_p=self.dropout if self.training else 0.0)
         context = context.transpose(1, 2).reshape(batch, num_tokens, -1)
@@ -265,7 +265,7 @@ def check_finite(loss, step, *eval_losses):
 def train_model(model, optimizer, loaders, setup, save_checkpoint):
     """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
     checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
-    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
+    `save_checkpoint(run_state)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
     args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
     run = progress.TrainingProgress(setup, len(train_loader))
@@ -350,7 +350,7 @@ def main():
     clock.start_up("device")
     device = devices.pick_device(args.device)
     # NEW (step 2): float32 matmuls on TF32 tensor cores (compute capability 8.0 and newer; older GPUs have none).
-    # From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
+    # From step 5 on, autocast runs training's matmuls in bf16: TF32 is left with the sample's, outside autocast
     torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
     # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
@@ -382,7 +382,7 @@ def main():
     with device:  # the weights are made where they train: no CPU initialization and copy
         model = GPTModel(cfg)
     torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
-    devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
+    devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, what cannot run falls back (a line each)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     num_params = sum(p.numel() for p in model.parameters())
@@ -405,11 +405,11 @@ def main():
         checkpoints.restore_rng(resume["rng"], device)  # dropout continues where it left off
         print(cli.resume_line(args, resume))
 
-    def save_checkpoint(progress):
+    def save_checkpoint(run_state):
         """model.pth: the plain model's weights plus everything --resume needs; written atomically."""
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg,
                       "settings": settings, "script": Path(__file__).name,
-                      "tokens_per_step": setup.tokens_per_step, **progress}
+                      "tokens_per_step": setup.tokens_per_step, **run_state}
         checkpoints.save_torch(checkpoint, out / "model.pth")
 
     start = time.time()

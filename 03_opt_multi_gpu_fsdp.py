@@ -104,7 +104,7 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # NEW (step 7): one matmul for Q, K and V
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = dropout  # NEW (step 7): a probability: SDPA applies the dropout itself
-        # NEW (step 1): no stored mask buffer; the causal mask is made on the fly (by SDPA since step 7)
+        # NEW (step 1): no mask buffer (context_length goes unused): the causal mask is made on the fly (step 7: SDPA)
 
     def forward(self, x):
         batch, num_tokens, _ = x.shape
@@ -113,7 +113,7 @@ class MultiHeadAttention(nn.Module):
             return t.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
 
         queries, keys, values = map(split_heads, self.qkv(x).chunk(3, dim=-1))
-        # NEW (step 7): scaled_dot_product_attention picks FlashAttention on the GPU: no tokens x tokens matrix
+        # NEW (step 7): scaled_dot_product_attention picks a fused kernel (FlashAttention from Ampere on): no scores
         context = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
                                                  dropout_p=self.dropout if self.training else 0.0)
         context = context.transpose(1, 2).reshape(batch, num_tokens, -1)
@@ -178,7 +178,7 @@ class GPTModel(nn.Module):
 def generate_text_simple(model, idx, max_new_tokens, context_size):
     """Greedy decoding: append the most likely next token, max_new_tokens times."""
     for _ in range(max_new_tokens):
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # NEW (FSDP): eager, as in 02 (see below)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # NEW (FSDP): eager as in 02 (lengths vary)
             logits = model(idx[:, -context_size:])
         next_id = logits[:, -1, :REAL_VOCAB_SIZE].argmax(dim=-1, keepdim=True)  # NEW (step 9): no padded ids
         idx = torch.cat([idx, next_id], dim=1)
@@ -224,7 +224,7 @@ def training_loss(logits, target_batch):
 
 
 @torch.compile  # NEW (step 8): evaluation (no dropout, no gradients) is another graph, in a function of its own
-def evaluation_loss(logits, target_batch):  # NEW (FSDP): so that switching modes never recompiles either
+def evaluation_loss(logits, target_batch):  # NEW (FSDP): the loss of the eager logits
     return loss_of_logits(logits, target_batch)
 
 
@@ -272,6 +272,8 @@ def generate_and_print_sample(model, tokenizer, device, start_context):
 
 def check_finite(loss, step, *eval_losses):
     """Stop (exit code 1) once a loss is NaN or infinite; checked at log lines and saves, not every step."""
+    loss = loss.detach() / dist.get_world_size()  # NEW (DDP): the ranks' mean: a NaN on any rank stops them all,
+    dist.all_reduce(loss)  # together (a rank stopping alone would leave the others waiting in a collective)
     if not all(math.isfinite(value) for value in (loss.item(), *eval_losses)):
         raise failures.TrainingError(f"the loss is not finite by step {step} (training {loss.item()}, evaluation "
                                    f"{list(eval_losses)}); the last checkpoint is kept: try a lower learning rate")
@@ -280,7 +282,7 @@ def check_finite(loss, step, *eval_losses):
 def train_model(model, optimizer, loaders, setup, save_checkpoint):
     """The training loop of the run `setup` describes (progress.RunSetup: its settings, device, tokenizer, the
     checkpoint of --resume): returns where it ends (progress.RunState), what metrics.json and the plot show.
-    `save_checkpoint(progress)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
+    `save_checkpoint(run_state)` writes model.pth; `run` keeps the books (progress.py): position, clocks, log lines."""
     args, device = setup.args, setup.device
     train_loader, train_eval_loader, val_loader = loaders
     run = progress.TrainingProgress(setup, len(train_loader))
@@ -298,9 +300,8 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
             with run.timed_step():  # one step, counted; the clock runs from batch to batch (a profiled step: off it)
                 optimizer.zero_grad()
                 micro_batches = zip(input_batch.chunk(args.grad_accum_steps), target_batch.chunk(args.grad_accum_steps))
-                for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):  # NEW (DDP): numbered
-                    # NEW (FSDP): unlike 02, every micro-batch reduce-scatters: the shards stay small (README: "Gradient
-                    # accumulation": FSDP gathers the weights for every pass anyway, so skipping saves far less)
+                for micro_inputs, micro_targets in micro_batches:  # NEW (accumulation): N = --grad-accum-steps
+                    # NEW (FSDP): every micro-batch reduce-scatters, unlike 02 (docs/multi_gpu.md)
                     with inspector.region("forward with loss"):  # NEW (accumulation): gradients add up: each loss / N
                         loss = calc_loss_batch(micro_inputs, micro_targets, model, device) / args.grad_accum_steps
                     with inspector.region("backward"):
@@ -376,8 +377,8 @@ def setup_distributed(device_choice):
 
 def shard_model(model, device, activation_checkpointing):
     """NEW (FSDP): each rank keeps 1/N of every weight, gradient and AdamW state; a block gathers its weights to run."""
-    # bf16 gathers halve the traffic, gradients are reduced in float32, the shards stay float32. Autocast stays: its
-    # casts of bf16 weights are no-ops, and it keeps 02's precision per op (on CUDA, layer norms in float32)
+    # bf16 gathers halve the traffic, gradients are reduced in float32, the shards stay float32. Unlike 02, the
+    # residual stream is bf16 too: the embeddings' weights are, and each block's input is cast to param_dtype
     mixed_precision = MixedPrecisionPolicy(param_dtype=devices.autocast_dtype(device), reduce_dtype=torch.float32)
     mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))  # this run's device, not the machine's GPU
     for index, block in enumerate(model.trf_blocks):
@@ -404,7 +405,7 @@ def main():
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # NEW (DDP): only rank 0 prints
     # NEW (step 2): float32 matmuls on TF32 tensor cores (compute capability 8.0 and newer; older GPUs have none).
-    # From step 5 on, autocast runs most matmuls in bf16: TF32 then serves the float32 ones that remain
+    # From step 5 on, autocast runs training's matmuls in bf16: TF32 is left with the sample's, outside autocast
     torch.set_float32_matmul_precision("high" if device.type == "cuda" else "highest")
     # NEW (step 7): FlashAttention, not cuDNN's attention (PyTorch 2.11's first choice on Hopper), whose kernels may
     # round dropout to a multiple of 1/16: the book's 0.1 would silently train at another rate (PyTorch 2.12 avoids it)
@@ -432,13 +433,13 @@ def main():
 
     # Model and optimizer
     clock.start_up("model")
-    torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; DDP gives all rank 0's weights
+    torch.manual_seed(args.seed + rank)  # NEW (DDP): each rank its own dropout masks; rank 0's weights then go to all
     with device:  # the weights are made where they train: no CPU initialization and copy
         model = GPTModel(cfg)
     for tensor in model.state_dict().values():  # NEW (FSDP): rank 0's initial weights everywhere, as DDP gave them:
         dist.broadcast(tensor, src=0)  # each rank keeps a slice of its own copy
     torch.compiler.set_stance("force_eager" if args.no_compile else "default")  # NEW (step 8): --no-compile: eager
-    devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, a line for each step that cannot run there
+    devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, what cannot run falls back (a line each)
     shard_model(model, device, args.activation_checkpointing)  # NEW (FSDP): in place, before AdamW sees the weights
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
@@ -453,7 +454,7 @@ def main():
           f"{setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(utilization.mfu_line(device, precision))
     clock.start_up("until the first step")
-    memory = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): per rank, estimated, then measured
+    memory_report = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): estimated; measured by a hook
     if device.type == "cpu" and not args.tiny:
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 
@@ -462,14 +463,14 @@ def main():
         checkpoints.restore_rng(checkpoints.rng_of_rank(resume["rng"], rank, args.seed), device)  # NEW (DDP): its own
         print(cli.resume_line(args, resume))
 
-    def save_checkpoint(progress):
+    def save_checkpoint(run_state):
         """NEW (FSDP): every rank writes its shards to model.dcp/, then rank 0 a model.pth that names them."""
         rng_states = [None] * world_size  # NEW (DDP): every rank's random state, for an exact --resume
-        dist.all_gather_object(rng_states, progress["rng"])
-        progress["rng"] = rng_states
+        dist.all_gather_object(rng_states, run_state["rng"])
+        run_state["rng"] = rng_states
         checkpoint = {"config": cfg,  # NEW (FSDP): the weights and AdamW's state are added by sharding.save_checkpoint
                       "settings": settings, "script": Path(__file__).name,
-                      "tokens_per_step": setup.tokens_per_step, **progress}
+                      "tokens_per_step": setup.tokens_per_step, **run_state}
         sharding.save_checkpoint(model, optimizer, checkpoint, out / "model.pth")  # NEW (FSDP): shards beside it
 
     start = time.time()
@@ -491,7 +492,7 @@ def main():
         "parameters": num_params, "steps": state.steps, "tokens_seen": state.tokens_seen,
         "log": state.log, "avg_tok_per_sec": state.avg_tok_per_sec(), "profile": state.profile,
         "mfu": utilization.mfu(state.avg_tok_per_sec(), setup.flops_per_token, setup.peak_flops), "world_size": world_size,
-        "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory.as_json(),  # NEW (FSDP)
+        "activation_checkpointing": args.activation_checkpointing, "memory_per_rank": memory_report.as_json(),  # NEW (FSDP)
         **gpu_memory.memory_metrics(device),  # GiB: now, the steady state's peaks and the first interval's
     }
     metrics["wall_clock_s"] = clock.stop()  # since the process started: start-up, compilation, training, ...

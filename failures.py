@@ -62,7 +62,8 @@ def out_of_memory(device, batch_size, context_length, script=None):
     script = Path(script or sys.argv[0]).name
     levers = [f"a smaller --batch-size ({batch_size // 2})"] if batch_size > 1 else []
     if script.startswith("03"):
-        levers += ["--activation-checkpointing", "more GPUs (torchrun --nproc_per_node=N, more nodes)"]
+        levers += ["--activation-checkpointing", "more GPUs (torchrun --nproc_per_node=N, more nodes: they share the "
+                   "weights, gradients and optimizer state, not a batch's activations)"]
     else:
         levers += ["a smaller --model", "03_opt_multi_gpu_fsdp.py with --activation-checkpointing or more GPUs "
                    "(it shards the weights, gradients and optimizer state)"]

@@ -114,7 +114,8 @@ class TrainingProgress:
         return self.step % self.args.eval_freq == 0 or self.done
 
     def pause(self, phase):
-        """Stop the training clock for work that is not training: the wall clock's `phase` ("sampling")."""
+        """Stop the training clock for work that is not training: the wall clock's `phase` ("sampling"). Nothing
+        restarts it by name: the next epoch's `batches` does, or off_clock at the end of its block."""
         self.clock.stop()
         self.wall_clock.enter(phase)
 
@@ -128,7 +129,8 @@ class TrainingProgress:
     def log(self, train_loss, val_loss):
         """The log line and its history entry. Step tok/s counts the interval since the previous line; Avg tok/s
         every interval but the first, which holds the warm-up. Where the hardware's FLOPs differ from the model's
-        (03's recomputed blocks), the line adds HFU, and the entry has it too."""
+        (03's recomputed blocks), the line adds HFU, and the entry has it too. The first call also ends the warm-up
+        for the memory figures: on CUDA it empties the allocator's cache and resets its peaks (gpu_memory)."""
         seconds = self.clock.take()
         interval_tokens, now, setup = self.interval_tokens, self.now, self.setup
         step_tok_per_sec = interval_tokens / seconds if interval_tokens else None  # None: all profiled
@@ -172,7 +174,8 @@ class TrainingProgress:
         self.clock.start()
 
     def state(self):
-        """What --resume needs of the loop: where the run is, its history, the random state."""
+        """What --resume needs of the loop: where the run is, its history, the random state. "step" counts the steps
+        done, one more than the index of the last (`self.step`, the log's `Step`)."""
         now, history = self.now, {"steps": self.now.steps, **{key: getattr(self.now, key) for key in RunState.HISTORY}}
         return {"epoch": now.epoch, "batches_done": now.batches_done, "step": now.steps, "history": history,
                 "rng": checkpoints.rng_state(self.setup.device)}

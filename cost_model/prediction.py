@@ -187,6 +187,18 @@ def errors(table):
     return found, statistics.median(sizes), max(sizes)
 
 
+def worst_step(table):
+    """The step whose predicted gain (rung N over rung N - 1) misses the measured one most: (step, predicted gain,
+    measured gain), or None where no two neighbouring rungs were measured."""
+    predicted, measured = predictions(table), {rung: value for rung, (value, _) in measured_beside(table).items()}
+    gains = {step: (predicted[step] / predicted[step - 1], measured[step] / measured[step - 1])
+             for step in range(1, 11) if {step, step - 1} <= measured.keys()}
+    if not gains:
+        return None
+    step = max(gains, key=lambda step: abs(gains[step][0] / gains[step][1] - 1))
+    return (step, *gains[step])
+
+
 def readme_tables():
     """{GPU: roofline table with predictions} for README_GPUS, the steps counted once per kind of GPU."""
     counted, tables = {}, {}  # model_rung tells steps apart by their ops: one dict serves every GPU
@@ -202,6 +214,7 @@ def readme_table(tables):
     checked, median, worst = errors(held_out)
     own, own_median, own_worst = errors(tables["H200"])  # the fit's own GPU: it need not match every rung either
     own_worst_rung = max(own, key=lambda rung: abs(own[rung]))
+    step, predicted_gain, measured_gain = worst_step(tables["H200"])
     dates = sorted({date for _, where in measured_beside(held_out).values()
                     for date in re.findall(r"\d{4}-\d{2}-\d{2}", where)})
     lines = ["| GPU | " + " | ".join(f"step {number}" for number in range(1, 11)) + " | stage 01, tok/s |",
@@ -215,8 +228,10 @@ def readme_table(tables):
         "and six numbers fitted on the H200's measurements (a share of the peak per kind of work, a cost per "
         "launch). On the H100 (rungs "
         f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, predictions "
-        f"missed each rung's tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
-        f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}. Other "
+        f"missed rungs' tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
+        f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}; a step's gain can miss by more (H200 "
+        f"step {step}: {predicted_gain:.2f}x predicted, {measured_gain:.2f}x measured). Runs must fit (01 reserved "
+        "16.4 GiB, rungs 0-4 26 GiB at batch 8). Other "
         "generations: extrapolated; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing. "
         "[Method](docs/roofline.md#predictions-for-your-gpu).",
         width=118, break_on_hyphens=False)

@@ -179,10 +179,11 @@ def test_torchrun_two_processes_end_to_end(stage02, small_text, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. the DistributedSampler shards: disjoint, complete, reshuffled per epoch, reproducible
+# 2. two ranks of a gloo group, run once for the tests below: the DistributedSampler's shards (disjoint,
+#    complete, reshuffled per epoch, reproducible), and a loss that is NaN on one rank only
 # ---------------------------------------------------------------------------------------------
 
-SHARD_WORKER = textwrap.dedent("""
+TWO_RANK_WORKER = textwrap.dedent("""
     import json
     import sys
 
@@ -213,13 +214,26 @@ SHARD_WORKER = textwrap.dedent("""
         return epochs
 
 
+    def stops(stage):
+        # rank 1's training loss is NaN, rank 0's is not: a rank that stopped alone would leave the other
+        # waiting in the next collective
+        loss = torch.tensor(float("nan") if dist.get_rank() == 1 else 2.5)
+        try:
+            stage.check_finite(loss, 7)
+        except stage.failures.TrainingError as err:
+            return str(err)
+        return None
+
+
     if __name__ == "__main__":
         n, batch_size, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
         stage = load_stage("02_opt_multi_gpu_ddp.py")
         dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment
         try:
             result = {{"rank": dist.get_rank(), "first": batches(stage, n, batch_size, 123),
-                       "again": batches(stage, n, batch_size, 123), "other_seed": batches(stage, n, batch_size, 7)}}
+                       "again": batches(stage, n, batch_size, 123), "other_seed": batches(stage, n, batch_size, 7),
+                       "stops": {{name: stops(load_stage(name))
+                                  for name in ("02_opt_multi_gpu_ddp.py", "03_opt_multi_gpu_fsdp.py")}}}}
         finally:
             dist.destroy_process_group()
         with open(path, "w") as f:
@@ -227,20 +241,37 @@ SHARD_WORKER = textwrap.dedent("""
 """)
 
 
-def test_training_shards_are_disjoint_complete_and_reshuffled(tmp_path):
-    n, batch_size, world = 48, 3, 2  # n divisible by world * batch_size: the shards cover every index
-    script = tmp_path / "shard_worker.py"
-    script.write_text(SHARD_WORKER.format(tests_dir=str(Path(__file__).resolve().parent)), encoding="utf-8")
+SHARDED_WINDOWS, SHARD_BATCH = 48, 3  # divisible by 2 ranks x the batch: the shards cover every index
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each rank's results (a dict), rank 0 first."""
+    tmp_path = tmp_path_factory.mktemp("two_ranks")
+    script = tmp_path / "two_rank_worker.py"
+    script.write_text(TWO_RANK_WORKER.format(tests_dir=str(Path(__file__).resolve().parent)), encoding="utf-8")
     port = free_port()
-    paths = [tmp_path / f"rank{rank}.json" for rank in range(world)]
-    envs = [clean_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            for rank in range(world)]
-    outputs = run_all([[sys.executable, script, n, batch_size, path] for path in paths], timeout=120, envs=envs)
+    paths = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    envs = [clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            for rank in range(2)]
+    outputs = run_all([[sys.executable, script, SHARDED_WINDOWS, SHARD_BATCH, path] for path in paths],
+                      timeout=120, envs=envs)
     for rc, stdout, stderr in outputs:
         assert rc == 0, stdout + stderr
     results = [json.loads(path.read_text()) for path in paths]
     assert [result["rank"] for result in results] == [0, 1]
+    return results
 
+
+def test_a_loss_that_is_nan_on_one_rank_stops_every_rank(two_ranks):
+    for stage in ("02_opt_multi_gpu_ddp.py", "03_opt_multi_gpu_fsdp.py"):
+        messages = [result["stops"][stage] for result in two_ranks]
+        assert all(messages), f"{stage}: a rank went on while another stopped ({messages})"
+        assert all("not finite by step 7" in message and "nan" in message for message in messages)
+
+
+def test_training_shards_are_disjoint_complete_and_reshuffled(two_ranks):
+    n, batch_size, world, results = SHARDED_WINDOWS, SHARD_BATCH, 2, two_ranks
     steps_per_epoch = n // (world * batch_size)
     for epoch in (0, 1):
         shards = []
