@@ -224,7 +224,9 @@ def save_atomically(save, path):
         with busy(f"writing {Path(path).name}"):  # the wall clock counts it as output (and says so if long)
             files.save_atomically(save, path)
     except (OSError, RuntimeError) as raised:
-        err = _os_error_in(raised)
+        if _in_chain(raised, KeyboardInterrupt):  # a second Ctrl-C inside torch.save: it quits, as anywhere else
+            raise KeyboardInterrupt from None
+        err = _in_chain(raised, OSError)
         if err is None:
             raise
         hint = _WRITE_FAILURE_HINTS.get(err.errno, "fix the cause or choose another --out")
@@ -240,11 +242,12 @@ def save_atomically(save, path):
                           f"kept: {hint}{resume}") from None
 
 
-def _os_error_in(err):
-    """The OSError behind `err`: itself, or one it was raised while handling. A disk that fills up in the middle
-    of torch.save raises an OSError inside its zip writer, whose cleanup then raises a RuntimeError ("unexpected
-    pos ...") over it: the OSError is that RuntimeError's __context__."""
-    while err is not None and not isinstance(err, OSError):
+def _in_chain(err, kind):
+    """The exception of `kind` behind `err`: itself, or one it was raised while handling. A disk that fills up (an
+    OSError) or a Ctrl-C (a KeyboardInterrupt) in the middle of torch.save lands inside its zip writer, whose
+    cleanup then raises a RuntimeError ("unexpected pos ...") over it: the first is that RuntimeError's
+    __context__."""
+    while err is not None and not isinstance(err, kind):
         err = err.__cause__ or err.__context__
     return err
 

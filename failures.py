@@ -107,8 +107,19 @@ def process_done(exit_code):
     return exit_code
 
 
+QUIT_AT_ONCE = "interrupted at once: the last saved checkpoint (if any) is intact"
+
+
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes")."""
+    try:
+        return _run(main)
+    except KeyboardInterrupt:  # a second Ctrl-C while the first outcome was being reported: it still quits at once
+        print(QUIT_AT_ONCE, file=sys.stderr)
+        return 130
+
+
+def _run(main):
     global training_over
     _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
     training_over = False
@@ -135,7 +146,7 @@ def run(main):
                   f"  {resume_hint}", file=sys.stderr)
         return 128 + err.signum
     except KeyboardInterrupt:
-        print("interrupted at once: the last saved checkpoint (if any) is intact", file=sys.stderr)
+        print(QUIT_AT_ONCE, file=sys.stderr)
         return 130
     except Exception as err:
         if not _lost_a_peer(err):

@@ -176,6 +176,55 @@ def test_a_second_ctrl_c_while_saving_leaves_the_previous_checkpoint_whole(scrip
     assert not leftover_temporaries(out)
 
 
+def test_a_ctrl_c_inside_torch_save_quits_as_a_ctrl_c(tmp_path, monkeypatch):
+    """Where the Ctrl-C lands among torch.save's own writes, its zip writer raises a RuntimeError over it: the run
+    must still quit at once (130), not fail with that RuntimeError's traceback (exit 1)."""
+    import io
+
+    import checkpoints
+
+    path = tmp_path / "model.pth"
+    checkpoints.save_torch({"weights": torch.ones(4)}, path)
+    before = path.read_bytes()
+
+    class InterruptedWrites(io.FileIO):
+        written = 0
+
+        def write(self, data):
+            InterruptedWrites.written += len(data)
+            if InterruptedWrites.written > 100_000:  # inside the tensor's record
+                raise KeyboardInterrupt
+            return super().write(data)
+
+    monkeypatch.setattr(checkpoints, "open", lambda name, mode: InterruptedWrites(name, mode), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save_torch({"weights": torch.zeros(250_000)}, path)
+    assert path.read_bytes() == before and not leftover_temporaries(tmp_path)
+
+
+def test_a_ctrl_c_while_an_outcome_is_reported_still_quits_with_130(monkeypatch, capsys):
+    import failures
+
+    def main():
+        raise failures.OutputError("cannot write metrics.json")
+
+    real_stderr, calls = sys.stderr, []
+
+    class CtrlCOnce:
+        def write(self, text):
+            calls.append(text)
+            if len(calls) == 1:
+                raise KeyboardInterrupt  # arrives while the first message is printed
+            return real_stderr.write(text)
+
+        def flush(self):
+            real_stderr.flush()
+
+    monkeypatch.setattr(sys, "stderr", CtrlCOnce())
+    assert failures.run(main) == 130
+    assert "interrupted at once" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script", STAGES)
 def test_sighup_saves_and_the_printed_command_alone_finishes_the_run(script, small_text, tmp_path):
     """A closing terminal sends SIGHUP: finish the step, save, exit 128 + 1 (torchrun forwards it to 02). The
