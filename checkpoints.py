@@ -39,7 +39,7 @@ def claim_out_dir(out):
             pass
     except OSError as err:
         raise UsageError(f"cannot write to --out {out} ({err.strerror}): choose a writable folder") from None
-    failures.on_usage_error(lambda: _undo_claim(out, made))  # a wrong input found later leaves nothing behind
+    failures.undo_if_nothing_kept(lambda: _undo_claim(out, made))  # e.g. a wrong input found later
     if os.environ.get("RANK", "0") != "0" or out.resolve() in _held_locks:
         return out
     try:
@@ -67,7 +67,8 @@ def claim_out_dir(out):
 
 
 def _undo_claim(out, made):
-    """After exit code 2: give up the lock of --out and remove what claim_out_dir made, the deepest first."""
+    """When a run ends with nothing to keep: give up the lock of --out and remove what claim_out_dir made, the
+    deepest first, where it is empty."""
     lock = _held_locks.pop(out.resolve(), None)
     if lock:
         lock.close()

@@ -5,6 +5,7 @@ for --resume); the cheap checks come first, before the corpus is read and the mo
 """
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -22,8 +23,21 @@ from failures import UsageError
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2 instead of argparse's usage block
         if failures.reports_for_the_job():  # under torchrun every process parses the same command line: one line
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+            print(f"{self.prog}: error: {message}{self.closest_flags(message)} (see --help)", file=sys.stderr)
         sys.exit(failures.EXIT_USAGE)
+
+    def closest_flags(self, message):
+        """For unknown flags (a typo, or a shortened name: the stages take no abbreviations), the flags meant."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        flags = [option for action in self._actions for option in action.option_strings]
+        meant = {}
+        for word in message.split(": ", 1)[1].split():
+            name = word.split("=", 1)[0]
+            if name.startswith("--"):
+                found = [flag for flag in flags if flag.startswith(name)] or difflib.get_close_matches(name, flags, 1)
+                meant.update({name: found[0]} if found else {})
+        return "".join(f"; did you mean {flag} for {name}?" for name, flag in meant.items())
 
 
 def whole_number(minimum):
@@ -229,8 +243,9 @@ def check_splits(args, train_windows, val_windows, context):
         split = describe_split(args.batch_size, getattr(args, "grad_accum_steps", 1), processes())
         raise UsageError(f"the training split of '{args.data}' holds {train_windows:,} "
                          f"{'window' if train_windows == 1 else 'windows'} of {window}, fewer than one optimizer step "
-                         f"of {split}: use a longer text or a smaller --batch-size"
-                         + (" or fewer --grad-accum-steps" if needed > args.batch_size else ""))
+                         f"of {split}: use a longer text"
+                         + ("" if train_windows == 0 else " or a smaller --batch-size")  # no batch fits in none
+                         + (" or fewer --grad-accum-steps" if train_windows and needed > args.batch_size else ""))
     if val_windows == 0:
         raise UsageError(f"the validation split of '{args.data}' is shorter than one window of {window}: "
                          "use a longer text (or prepare it with a larger --val-fraction)")

@@ -14,7 +14,7 @@ __all__ = ["UsageError", "DamagedWindow", "TrainingError", "OutputError", "Nothi
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 resume_hint = None  # the command that continues this run, for an interrupt's message (cli.resolve_settings sets it)
 training_over = False  # set once training ended: then a failed write of the outputs has nothing to resume
-_undo_on_usage_error = []  # what a run made before it found its input wrong (see on_usage_error)
+_undo_if_nothing_kept = []  # what a run made that it removes if it ends with nothing to keep (see undo_if_nothing_kept)
 
 
 class UsageError(Exception):
@@ -75,10 +75,11 @@ def out_of_memory(device, batch_size, context_length, script=None):
 # Files and exit codes
 # ---------------------------------------------------------------------------------------------
 
-def on_usage_error(undo):
-    """Call undo() if the run ends with exit code 2: a wrong input leaves nothing behind (the --out folder the
-    run made, its lock file)."""
-    _undo_on_usage_error.append(undo)
+def undo_if_nothing_kept(undo):
+    """Call undo() if the run ends with nothing to keep: a wrong input (exit code 2), nothing left to train, or a
+    Ctrl-C that quits at once. undo() removes what the run made (the --out folder, its lock file) where it is
+    still empty, so a run that did save something keeps it."""
+    _undo_if_nothing_kept.append(undo)
 
 
 def _lost_a_peer(err):
@@ -119,20 +120,25 @@ def run(main):
         return 130
 
 
+def _undo_what_was_made():
+    for undo in _undo_if_nothing_kept:
+        undo()
+
+
 def _run(main):
     global training_over
-    _undo_on_usage_error.clear()  # only this run's (the tests run several in one process)
+    _undo_if_nothing_kept.clear()  # only this run's (the tests run several in one process)
     training_over = False
     try:
         main()
     except UsageError as err:
         if reports_for_the_job() or isinstance(err, DamagedWindow):  # one line per launch; 2 on every process
             print(f"error: {err}", file=sys.stderr)
-        for undo in _undo_on_usage_error:
-            undo()
+        _undo_what_was_made()
         return EXIT_USAGE
     except NothingToTrain as err:
         print(f"Nothing left to train: {err}")
+        _undo_what_was_made()
         return EXIT_OK
     except OutputError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -147,6 +153,7 @@ def _run(main):
         return 128 + err.signum
     except KeyboardInterrupt:
         print(QUIT_AT_ONCE, file=sys.stderr)
+        _undo_what_was_made()
         return 130
     except Exception as err:
         if not _lost_a_peer(err):
@@ -156,5 +163,5 @@ def _run(main):
               f"{first_line}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        _undo_on_usage_error.clear()
+        _undo_if_nothing_kept.clear()
     return EXIT_OK

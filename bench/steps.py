@@ -113,7 +113,7 @@ def tagged_blocks(lines, step):
 def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     """Step `step`'s lines in the new file beside the old file's lines they replace, as groups of
     (mark, old line number, new line number, text): '-' an old line its change removes, '+' a new line of that
-    change, '~' a new line that another step (or another change, such as accumulation) adds, ' ' a line both files
+    change, '~' a line that another step (or another change, such as accumulation) adds or replaces, ' ' a line both files
     share. A change is a difflib hunk whose new lines hold a line the step's tags mark; inside it, a line no tag marks
     goes with the nearest tagged line above it in the hunk (below it, where none is above): an `if` tagged step 4
     takes its body along."""
@@ -127,6 +127,15 @@ def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
                 return near in marked
         return True
 
+    def replaced_by_the_step(i, j1, j2):
+        """Whether old line i, removed in the hunk of new lines j1 to j2, is the step's to replace: the hunk's new
+        line most like it is the step's (a hunk can hold two steps' changes side by side)."""
+        if all(owned(j, j1, j2) for j in range(j1, j2)):
+            return True
+        likeness = {j: difflib.SequenceMatcher(None, old_lines[i].strip(), new_lines[j].strip()).ratio()
+                    for j in range(j1, j2)}
+        return owned(max(likeness, key=likeness.get), j1, j2)
+
     opcodes = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
     chosen = [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in opcodes
               if tag != "equal" and marked.intersection(range(j1, j2))]
@@ -135,7 +144,8 @@ def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     items = []  # (where it stands in the new file, then the item): a removed line stands where its change begins
     for tag, i1, i2, j1, j2 in opcodes:
         if (i1, i2, j1, j2) in chosen:
-            items += [(j1, ("-", i + 1, None, old_lines[i])) for i in range(i1, i2)]
+            items += [(j1, ("-" if replaced_by_the_step(i, j1, j2) else "~", i + 1, None, old_lines[i]))
+                      for i in range(i1, i2)]
             items += [(j, ("+" if owned(j, j1, j2) else "~", None, j + 1, new_lines[j])) for j in range(j1, j2)]
         elif tag == "equal":
             items += [(j, (" ", i1 + j - j1 + 1, j + 1, new_lines[j])) for j in range(j1, j2) if j in window]
@@ -284,7 +294,7 @@ def describe(number, results=RESULTS, root=ROOT):
         groups = diff_view(old_lines, new_lines, number)
         lines += [f'The lines of {new_name} tagged "NEW ({label})", beside what they replace in {old_name}.',
                   f"'-': a line of {old_name} that the step replaces, '+': the step's lines in {new_name}, '~': a "
-                  f"line of {new_name} that another step adds, ' ': a line both files share; the columns are the "
+                  f"line another step adds or replaces, ' ': a line both files share; the columns are the "
                   "line numbers in the two files."]
         lines += render_groups(groups, old_name, new_name) if groups else [f"  (no line of {new_name} is tagged)"]
     lines += ["", *composition(number, tables), "", *measured(number, results)]
@@ -309,7 +319,10 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not Path(args.results).is_dir():
+        parser.error(f"--results {args.results}: no such folder")
     try:
         print("\n".join(describe(args.step, args.results)), flush=True)
     except BrokenPipeError:  # the reader stopped early (| head): not an error of this command

@@ -199,6 +199,8 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, small_text, tokenizer):
     assert "\n" not in err, f"more than one line on stderr:\n{result.stderr}"
     assert "Traceback" not in result.stderr
     assert expect in err, err
+    if case == "too-short-for-a-window":  # no window at all: a smaller batch cannot help
+        assert "holds 0 windows" in err and err.endswith("use a longer text"), err
     assert not re.search(r"^Ep \d", result.stdout, re.MULTILINE), "it trained"
     assert sentinel.read_bytes() == b"an earlier run's checkpoint"
     written = sorted(p.name for p in out.iterdir())
@@ -213,3 +215,15 @@ def test_a_wrong_input_found_late_leaves_no_folder_behind(tmp_path, tokenizer):
     result = run_script("00_orig.py", "--tiny", "--data", short, "--out", out, timeout=120)
     assert result.returncode == 2 and "windows" in result.stderr, result.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_a_mistyped_or_shortened_flag_names_the_flag_meant(stage00, capsys):
+    import cli
+
+    parser = cli.build_parser(stage00.__doc__, stage00.OTHER_SETTINGS, stage00.TINY_SETTINGS)
+    for typed, meant in (("--max-step", "--max-steps"), ("--batchsize", "--batch-size"), ("--epoch=2", "--epochs")):
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args([typed, "5"] if "=" not in typed else [typed])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"did you mean {meant} for {typed.split('=')[0]}?" in err, err
+        assert err.count("\n") == 1

@@ -84,7 +84,8 @@ def test_resume_at_or_past_the_limit_trains_nothing(script, short_text, tmp_path
 
     every_limit = (["--epochs", 1, "--max-steps", 0],  # the same limit: at the end of the last epoch
                    ["--epochs", 3, "--max-steps", steps_per_epoch],  # --max-steps reached exactly
-                   ["--epochs", 3, "--max-steps", 2])  # --max-steps below the checkpoint's step
+                   ["--epochs", 3, "--max-steps", 2,  # --max-steps below the checkpoint's step, and another
+                    "--out", tmp_path / "elsewhere"])  # --out: a folder that must not be left behind
     # every limit in 01, the edge case (reached exactly) in 02
     for limits in every_limit if script == "01_opt_single_gpu.py" else every_limit[1:2]:
         again = run(launch(script, *common_flags, *limits, "--resume", checkpoint))
@@ -94,6 +95,7 @@ def test_resume_at_or_past_the_limit_trains_nothing(script, short_text, tmp_path
         assert not [line for line in again.stdout.splitlines() if line.startswith("Ep ")]  # no step trained
         assert not our_tracebacks(again.stderr, script)
         assert snapshot(out) == before, limits  # the earlier outputs, byte for byte and untouched
+        assert not (tmp_path / "elsewhere").exists()
 
     if script != "01_opt_single_gpu.py":  # the loop's books are shared; torchrun's resumes: tests/test_resume_matrix.py
         return
@@ -222,6 +224,21 @@ def test_a_ctrl_c_while_an_outcome_is_reported_still_quits_with_130(monkeypatch,
 
     monkeypatch.setattr(sys, "stderr", CtrlCOnce())
     assert failures.run(main) == 130
+    assert "interrupted at once" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_before_anything_was_saved_leaves_no_folder(tmp_path, capsys):
+    import checkpoints
+    import failures
+
+    out = tmp_path / "new" / "run"
+
+    def main():  # start-up has claimed --out (a folder and its lock file), then Ctrl-C
+        checkpoints.claim_out_dir(out)
+        raise KeyboardInterrupt
+
+    assert failures.run(main) == 130
+    assert not (tmp_path / "new").exists()
     assert "interrupted at once" in capsys.readouterr().err
 
 

@@ -120,3 +120,18 @@ def test_a_step_that_does_not_exist_exits_2_with_one_line(argument):
     done = run_script("-m", "bench.steps", argument, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "the steps are 0" in done.stderr, done.stderr
+
+
+def test_a_results_folder_that_is_not_there_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        steps.main(["3", "--results", str(tmp_path / "nope")])
+    assert stopped.value.code == 2 and "no such folder" in capsys.readouterr().err
+
+
+def test_a_removed_line_goes_to_the_step_whose_line_replaces_it():
+    # one hunk of the diff holds step 1's mask line and step 7's dropout line side by side
+    def marks(number, text):
+        return {line[0] for line in page(number).splitlines() if text in line and line[:1] in "-~"}
+
+    assert marks(1, 'self.register_buffer("mask"') == {"-"} and marks(1, "nn.Dropout(dropout)") == {"~"}
+    assert marks(7, 'self.register_buffer("mask"') == {"~"} and marks(7, "nn.Dropout(dropout)") == {"-"}
