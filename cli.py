@@ -31,13 +31,13 @@ class OneLineParser(argparse.ArgumentParser):
         if not message.startswith("unrecognized arguments: "):
             return ""
         flags = [option for action in self._actions for option in action.option_strings]
-        meant = {}
+        hints = ""
         for word in message.split(": ", 1)[1].split():
             name = word.split("=", 1)[0]
-            if name.startswith("--"):
-                found = [flag for flag in flags if flag.startswith(name)] or difflib.get_close_matches(name, flags, 1)
-                meant.update({name: found[0]} if found else {})
-        return "".join(f"; did you mean {flag} for {name}?" for name, flag in meant.items())
+            found = [flag for flag in flags if flag.startswith(name)] or difflib.get_close_matches(name, flags, 1)
+            if name.startswith("--") and found:
+                hints += f"; did you mean {found[0]} for {name}?"
+        return hints
 
 
 def whole_number(minimum):

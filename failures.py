@@ -108,15 +108,13 @@ def process_done(exit_code):
     return exit_code
 
 
-QUIT_AT_ONCE = "interrupted at once: the last saved checkpoint (if any) is intact"
-
-
 def run(main):
     """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes")."""
     try:
         return _run(main)
-    except KeyboardInterrupt:  # a second Ctrl-C while the first outcome was being reported: it still quits at once
-        print(QUIT_AT_ONCE, file=sys.stderr)
+    except KeyboardInterrupt:  # a Ctrl-C that quits at once, wherever it lands (while an outcome is reported, too)
+        print("interrupted at once: the last saved checkpoint (if any) is intact", file=sys.stderr)
+        _undo_what_was_made()
         return 130
 
 
@@ -151,10 +149,6 @@ def _run(main):
             print(f"stopped by {err} after step {err.step:06d}; the checkpoint is saved and whole. To go on:\n"
                   f"  {resume_hint}", file=sys.stderr)
         return 128 + err.signum
-    except KeyboardInterrupt:
-        print(QUIT_AT_ONCE, file=sys.stderr)
-        _undo_what_was_made()
-        return 130
     except Exception as err:
         if not _lost_a_peer(err):
             raise
@@ -162,6 +156,4 @@ def _run(main):
         print(f"error: another process of this job ended (its own output says why), so this one stops too: "
               f"{first_line}", file=sys.stderr)
         return EXIT_FAILED
-    finally:
-        _undo_if_nothing_kept.clear()
     return EXIT_OK

@@ -113,10 +113,10 @@ def tagged_blocks(lines, step):
 def diff_view(old_lines, new_lines, step, context=CONTEXT_LINES):
     """Step `step`'s lines in the new file beside the old file's lines they replace, as groups of
     (mark, old line number, new line number, text): '-' an old line its change removes, '+' a new line of that
-    change, '~' a line that another step (or another change, such as accumulation) adds or replaces, ' ' a line both files
-    share. A change is a difflib hunk whose new lines hold a line the step's tags mark; inside it, a line no tag marks
-    goes with the nearest tagged line above it in the hunk (below it, where none is above): an `if` tagged step 4
-    takes its body along."""
+    change, '~' a line that another step (or another change, such as accumulation) adds or replaces, ' ' a line
+    both files share. A change is a difflib hunk whose new lines hold a line the step's tags mark; inside it, a
+    line no tag marks goes with the nearest tagged line above it in the hunk (below it, where none is above): an
+    `if` tagged step 4 takes its body along."""
     marked = tagged_blocks(new_lines, step)
     others = tagged_blocks(new_lines, None) - marked
 
