@@ -1,4 +1,4 @@
-"""Stage 01: stage 00 plus ten single-GPU speed optimizations, each marked "NEW (step N)".
+"""Stage 01: stage 00 plus ten single-GPU speed optimizations, "NEW (step N)", and "NEW (accumulation)".
 
 Without flags it trains the full 124M configuration (163M parameters); --tiny trains a small model
 on a CPU in seconds; --help lists every flag. Each stage is the one before plus speed optimizations
@@ -96,7 +96,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d_out // num_heads
         self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # NEW (step 7): one matmul for Q, K and V
         self.out_proj = nn.Linear(d_out, d_out)
-        self.dropout = dropout  # NEW (step 7): a probability: SDPA applies the dropout itself
+        self.dropout_p = dropout  # NEW (step 7): a probability, no module: SDPA applies the dropout itself
         # NEW (step 1): no mask buffer (context_length goes unused): the causal mask is made on the fly (step 7: SDPA)
 
     def forward(self, x):
@@ -108,7 +108,7 @@ class MultiHeadAttention(nn.Module):
         queries, keys, values = map(split_heads, self.qkv(x).chunk(3, dim=-1))
         # NEW (step 7): scaled_dot_product_attention picks a fused kernel (FlashAttention from Ampere on): no scores
         context = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                                 dropout_p=self.dropout if self.training else 0.0)
+                                                 dropout_p=self.dropout_p if self.training else 0.0)
         context = context.transpose(1, 2).reshape(batch, num_tokens, -1)
         return self.out_proj(context)
 

@@ -101,7 +101,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d_out // num_heads
         self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # NEW (step 7): one matmul for Q, K and V
         self.out_proj = nn.Linear(d_out, d_out)
-        self.dropout = dropout  # NEW (step 7): a probability: SDPA applies the dropout itself
+        self.dropout_p = dropout  # NEW (step 7): a probability, no module: SDPA applies the dropout itself
         # NEW (step 1): no mask buffer (context_length goes unused): the causal mask is made on the fly (step 7: SDPA)
 
     def forward(self, x):
@@ -113,7 +113,7 @@ class MultiHeadAttention(nn.Module):
         queries, keys, values = map(split_heads, self.qkv(x).chunk(3, dim=-1))
         # NEW (step 7): scaled_dot_product_attention picks a fused kernel (FlashAttention from Ampere on): no scores
         context = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                                 dropout_p=self.dropout if self.training else 0.0)
+                                                 dropout_p=self.dropout_p if self.training else 0.0)
         context = context.transpose(1, 2).reshape(batch, num_tokens, -1)
         return self.out_proj(context)
 
@@ -204,7 +204,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
     # NEW (step 5): autocast runs the matmuls in bf16 (float16 on GPUs without bf16); weights and the loss stay float32
     dtype = devices.autocast_dtype(device)  # None where no reduced precision helps (see the header's precision line)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        if model.training:  # NEW (DDP): through the DDP wrapper, whose module runs the compiled training_loss
+        if model.training:  # NEW (DDP): training passes the DDP wrapper (evaluation: the GPTModel inside it)
             return model(input_batch, target_batch)
         return evaluation_loss(model, input_batch, target_batch)  # NEW (step 8)
 
@@ -320,6 +320,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
                                                           val_loader, device, args.eval_iter)
                     check_finite(loss, run.step, train_loss, val_loss)
                     run.log(train_loss, val_loss)  # the log line and the history: losses, tok/s, MFU
+            # NEW (DDP): save_due is also where the ranks agree on a stop signal (a gloo all-reduce started each step)
             if run.save_due():  # every --save-every steps, the last, or a stop signal (which ends the run)
                 with run.saving():  # off the clock too
                     check_finite(loss, run.step)
@@ -429,7 +430,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
     # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
-    # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (650 MB full size)
+    # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (0.61 GiB full size)
     ddp_model = DDP(ModelWithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     num_params = sum(p.numel() for p in model.parameters())

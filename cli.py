@@ -93,7 +93,7 @@ RESUMED_FLAGS = (("epochs", "num_epochs"), ("max_steps", "max_steps"), ("eval_fr
 # What a flag left unset means when there is no checkpoint to take it from (the rest come from the stage's dicts).
 PLAIN_DEFAULTS = {"save_every": 0, "data": "shakespeare", "seed": 123, "tiny": False, "model": "gpt2-small",
                   "grad_accum_steps": 1}
-# The help of 01 to 03's --grad-accum-steps (step 10: the batch a step needs, in micro-batches that fit)
+# The help of 01 to 03's --grad-accum-steps (NEW (accumulation): the batch a step needs, in micro-batches that fit)
 GRAD_ACCUM_HELP = ("micro-batches of --batch-size per optimizer step, each its own forward and backward pass; "
                    "the global batch is --batch-size x GRAD_ACCUM_STEPS x processes (default: 1)")
 
@@ -123,7 +123,8 @@ def build_parser(description, settings, tiny_settings):
                         help="stop after this many optimizer steps (the log counts steps from 0, so the last is "
                              f"step N-1); 0: no limit ({default('max_steps')})")
     parser.add_argument("--batch-size", type=_positive_int,
-                        help=f"sequences per step and process ({default('batch_size')})")
+                        help=f"sequences per forward pass and process: a step's batch (with 01 to 03's "
+                             f"--grad-accum-steps, each micro-batch's) ({default('batch_size')})")
     parser.add_argument("--eval-freq", type=_positive_int,
                         help=f"evaluate and log every N steps ({default('eval_freq')})")
     parser.add_argument("--eval-iter", type=_positive_int,

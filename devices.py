@@ -192,7 +192,8 @@ def has_fused(device):
 
 
 def apply_fallbacks(device):
-    """Stages 01 to 03: one line for each optimization that cannot work on `device`, which then runs without it.
+    """Stages 01 to 03: one line for each optimization that cannot work on `device`, which then runs without it
+    (in practice 01's: 02 and 03 run on CUDA or the CPU, where every step works).
 
     On CUDA and the CPU every step works. On Apple's MPS: pinned memory is a CUDA feature (step 4), fused AdamW
     and bfloat16 depend on the PyTorch and macOS versions (steps 3 and 5), and torch.compile's MPS backend is

@@ -140,7 +140,7 @@ class ShardMemory:
     The estimate is ZeRO's accounting (Rajbhandari et al. 2019) with float32 weights: 4 bytes of weights, 4 of
     gradients and 8 of AdamW's two moments per parameter, divided among the ranks. The measurement reads the
     bytes of the local shards (DTensor.to_local()) right after the first optimizer step, the first moment when
-    the gradients and AdamW's state both exist, and gathers every rank's figures to rank 0.
+    the gradients and AdamW's state both exist, and gathers every rank's figures on every rank (rank 0 prints them).
     """
 
     def __init__(self, model, optimizer, cfg, args):
@@ -154,13 +154,15 @@ class ShardMemory:
     def header_line(self, cfg, batch_size, activation_checkpointing):
         """The estimate, with the activations (Korthikanti et al. 2022, 16-bit, no attention scores: about 34 x
         width bytes per token per layer; recomputing each block keeps only its input, 2 x width bytes, plus one
-        block's activations while it is recomputed)."""
+        block's activations while it is recomputed) and, as 02's header counts them, the 16-bit logits and their
+        gradient (4 x vocabulary bytes per token), which no recomputation removes."""
         tokens, width, layers = batch_size * cfg["context_length"], cfg["emb_dim"], cfg["n_layers"]
         per_token = (2 * layers + 34) * width if activation_checkpointing else 34 * layers * width
+        per_token += 4 * cfg["vocab_size"]
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (f"Memory per rank: weights + gradients + AdamW state ~ 16 bytes x {self.num_params:,} parameters / "
                 f"{ranks} = {_gb(self.formula_bytes_per_rank)} (DDP holds {_gb(16 * self.num_params)} "
-                f"on every rank); activations ~ "
+                f"on every rank); activations and logits ~ "
                 f"{_gb(per_token * tokens)} at {batch_size} x {cfg['context_length']} tokens"
                 + (" with activation checkpointing" if activation_checkpointing else "")
                 + "; measured after the first step")

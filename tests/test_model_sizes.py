@@ -46,3 +46,23 @@ def test_an_unknown_size_is_refused_in_one_line():
     result = run_script("00_orig.py", "--model", "gpt2-nano", "--max-steps", "1")
     assert result.returncode == 2 and "invalid choice: 'gpt2-nano'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["gpt2-small", "gpt2-xl"])
+def test_03s_per_rank_estimate_counts_the_activations_02s_header_counts(stage00, name):
+    """Sharding divides the state, not the activations: 03's header (per rank) must give the same activations,
+    logits included, as the header of 00 to 02 for the same batch; recomputing the blocks leaves the logits."""
+    import sharding
+
+    cfg = {**stage00.GPT_CONFIG_124M, **cli.MODEL_SIZES[name], "vocab_size": 50304}
+    ddp = gpu_memory.memory_line(PARAMETERS[name], cfg, 32, "bf16", flash_attention=True)
+    ranks = type("ShardMemory", (), {"world_size": 4, "num_params": PARAMETERS[name],
+                                     "formula_bytes_per_rank": 4 * PARAMETERS[name]})()
+
+    def activations_gib(checkpointing):
+        line = sharding.ShardMemory.header_line(ranks, cfg, 32, checkpointing)
+        return float(line.split("activations and logits ~ ")[1].split(" GiB")[0])
+
+    assert activations_gib(False) == pytest.approx(float(ddp.split("activations ")[1].split(" GiB")[0]), abs=0.06)
+    logits = 32 * 1024 * 4 * cfg["vocab_size"] / gpu_memory.GIB
+    assert logits < activations_gib(True) < logits + 0.2 * activations_gib(False)
