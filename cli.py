@@ -31,13 +31,28 @@ class OneLineParser(argparse.ArgumentParser):
         if not message.startswith("unrecognized arguments: "):
             return ""
         flags = [option for action in self._actions for option in action.option_strings]
-        hints = ""
+        hints, torchruns = "", []
         for word in message.split(": ", 1)[1].split():
             name = word.split("=", 1)[0]
             found = [flag for flag in flags if flag.startswith(name)] or difflib.get_close_matches(name, flags, 1)
-            if name.startswith("--") and found:
+            if name in LATER_STAGES_FLAGS:
+                hints += f"; {name} is a flag of {LATER_STAGES_FLAGS[name]}"
+            elif name in TORCHRUN_FLAGS:
+                torchruns.append(word)
+            elif name.startswith("--") and found:
                 hints += f"; did you mean {found[0]} for {name}?"
+        if torchruns:  # 00 and 01 train in one process: several take 02
+            script = self.prog if self.prog.startswith(("02", "03")) else "02_opt_multi_gpu_ddp.py"
+            hints += f"; {' '.join(torchruns)}: torchrun's, before the script: torchrun {' '.join(torchruns)} {script}"
         return hints
+
+
+# Flags that a stage lacks but a later one has, and torchrun's own, which go before the script's name
+LATER_STAGES_FLAGS = {"--no-compile": "stages 01 to 03", "--grad-accum-steps": "stages 01 to 03",
+                      "--activation-checkpointing": "stage 03"}
+TORCHRUN_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank", "--master_addr",
+                  "--master-addr", "--master_port", "--master-port", "--standalone", "--rdzv_endpoint",
+                  "--rdzv-endpoint", "--rdzv_backend", "--rdzv-backend")
 
 
 def whole_number(minimum):
@@ -77,10 +92,6 @@ def model_config(args, config, tiny_config, resume=None):
     --resume (`resume`) must hold the same config: checked here, before the corpus is read and the model built."""
     cfg = dict(tiny_config) if args.tiny else {**config, **MODEL_SIZES[args.model]}
     if resume:
-        saved = resume["settings"].get("model")
-        if args.tiny and "model" not in resume.flags_taken and args.model != saved:  # --tiny would ignore it
-            raise UsageError(f"--resume {args.resume}: the checkpoint holds the --tiny model, and a run keeps its "
-                             f"model: leave out --model {args.model}, or start a new run in another --out")
         check_config(resume, args.resume, cfg)
     return cfg
 
@@ -172,12 +183,18 @@ def resolve_settings(args, settings, tiny_settings):
     resume = checkpoints.open_checkpoint(args.resume, Path(sys.argv[0]).name) if args.resume else None
     if resume:
         for flag, key in RESUMED_FLAGS:
+            if flag == "model" and resume["settings"].get("tiny"):
+                continue  # a --tiny run's model is its own: its "model" setting names no size it trained
             if getattr(args, flag, False) is None and key in resume["settings"]:  # False: a flag this stage lacks
                 setattr(args, flag, resume["settings"][key])
                 resume.flags_taken.append(flag)
         if args.out is None:
             args.out = str(Path(args.resume).parent)
             resume.flags_taken.append("out")
+    if args.tiny and args.model is not None and not (resume and "model" in resume.flags_taken):
+        raise UsageError(f"--resume {args.resume}: the checkpoint holds the --tiny model, and a run keeps its model: "
+                         f"leave out --model {args.model}, or start a new run in another --out" if resume else
+                         f"--tiny trains a small model of its own, not --model {args.model}: leave out one of them")
     for flag, value in PLAIN_DEFAULTS.items():
         if getattr(args, flag, False) is None:
             setattr(args, flag, value)
@@ -198,8 +215,8 @@ def run_settings(args, settings, tiny_settings):
     return {**(tiny_settings if args.tiny else settings), "num_epochs": args.epochs, "batch_size": args.batch_size,
             "eval_freq": args.eval_freq, "eval_iter": args.eval_iter, "max_steps": args.max_steps,
             "save_every": args.save_every, "seed": args.seed, "data": args.data, "tiny": args.tiny,
-            "model": args.model, **({"grad_accum_steps": args.grad_accum_steps} if hasattr(args, "grad_accum_steps")
-                                    else {})}
+            "model": None if args.tiny else args.model,  # --tiny's model is none of --model's sizes
+            **({"grad_accum_steps": args.grad_accum_steps} if hasattr(args, "grad_accum_steps") else {})}
 
 
 def processes():

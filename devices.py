@@ -6,7 +6,9 @@ float32), fused AdamW and TF32, and the fallbacks of Apple's GPUs.
 import functools
 import os
 import re
+import sys
 import time
+from pathlib import Path
 
 from failures import UsageError
 
@@ -15,9 +17,15 @@ def pick_device(choice, distributed=False):
     """The torch.device for --device. `auto` prefers CUDA, then Apple's MPS, then the CPU.
 
     `distributed` (stages 02 and 03): torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo CPU
-    and CUDA), so there `auto` takes the CPU instead of MPS, and an explicit `--device mps` is refused.
+    and CUDA), so there `auto` takes the CPU instead of MPS, and an explicit `--device mps` is refused. Stages 00
+    and 01 train in one process: started by torchrun with more, each would train alone into the same --out.
     """
     import torch
+
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if processes > 1 and not distributed:
+        raise UsageError(f"torchrun started {processes} processes, but {Path(sys.argv[0]).name} trains in one and "
+                         "shares no work: run it with python, or 02_opt_multi_gpu_ddp.py under torchrun")
 
     if choice == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu (or auto)")

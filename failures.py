@@ -100,6 +100,20 @@ def reports_for_the_job():
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def _ctrl_c_while_importing(kind, value, traceback):
+    """sys.excepthook while a stage imports, before failures.run(main) takes over: a Ctrl-C there still exits
+    with 130 (Python's traceback first). Python itself would, but exits with 1 once torch._dynamo is imported,
+    which a stage's @torch.compile lines do."""
+    _python_excepthook(kind, value, traceback)
+    if issubclass(kind, KeyboardInterrupt):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # nothing of a run exists yet: no exit handler has anything to do
+
+
+_python_excepthook, sys.excepthook = sys.excepthook, _ctrl_c_while_importing
+
+
 def process_done(exit_code):
     """`exit_code`, for sys.exit where a process has done its work: every object is left out of the interpreter's
     last garbage collections, which over PyTorch's objects took about a second of each run's exit (whatever is still

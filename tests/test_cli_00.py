@@ -33,7 +33,7 @@ def test_tiny_run_end_to_end(stage00, small_text, tmp_path):
     assert all(value.isdigit() and int(value) > 0 for value in averages[1:])
     assert not any("MFU" in line for line in log_lines), "no MFU on a CPU: its peak is unknown"
     assert sum(line.startswith("Every effort moves you") for line in lines) == 1, "one epoch, one sample"
-    # the header names the model --tiny trains (whatever --model says) and the processor's threads
+    # the header names the model --tiny trains and the processor's threads
     assert any(line.startswith("Model: tiny (--tiny: 2 layers, 64 wide), ") for line in lines), lines[:6]
     threads = re.search(r"CPU \(\d+ cores?, (\d+) (threads?)\)", result.stdout)
     assert threads and (threads.group(2) == "thread") == (threads.group(1) == "1"), lines[0]
@@ -171,6 +171,7 @@ BAD_INPUTS = {
     "batch-larger-than-data": _flag("--batch-size", "100000", expect="--batch-size"),
     "unknown-corpus": _flag("--data", "shakespear", expect="shakespeare"),  # the later --data wins
     "cuda-without-gpu": _flag("--device", "cuda", expect="cuda"),
+    "tiny-with-model": _flag("--model", "gpt2-xl", expect="--tiny trains a small model of its own, not --model gpt2-xl"),
     "out-under-a-file": _out_under_a_file,
     "out-is-a-file": _out_is_a_file,
 }
@@ -227,3 +228,31 @@ def test_a_mistyped_or_shortened_flag_names_the_flag_meant(stage00, capsys):
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and f"did you mean {meant} for {typed.split('=')[0]}?" in err, err
         assert err.count("\n") == 1
+
+
+def test_another_stages_flag_or_torchruns_says_where_it_belongs(capsys):
+    import cli
+
+    for script, typed, hint in (("00_orig.py", ["--grad-accum-steps", "2"], "a flag of stages 01 to 03"),
+                                ("01_opt_single_gpu.py", ["--activation-checkpointing"], "a flag of stage 03"),
+                                ("00_orig.py", ["--nproc_per_node=2"],
+                                 "torchrun's, before the script: torchrun --nproc_per_node=2 02_opt_multi_gpu_ddp.py"),
+                                ("03_opt_multi_gpu_fsdp.py", ["--standalone"],
+                                 "torchrun --standalone 03_opt_multi_gpu_fsdp.py")):
+        parser = cli.OneLineParser(prog=script)
+        parser.add_argument("--max-steps")
+        with pytest.raises(SystemExit):
+            parser.parse_args(typed)
+        err = capsys.readouterr().err
+        assert hint in err and "did you mean" not in err, err
+
+
+def test_a_single_process_stage_under_torchrun_is_refused(tmp_path, small_text):
+    """torchrun --nproc_per_node=2 00_orig.py would start two runs that share no work and write one --out:
+    exit 2 from the first process (as torchrun starts it), one line naming 02, nothing left behind."""
+    out = tmp_path / "out"
+    result = run_script("00_orig.py", "--tiny", "--max-steps", "1", "--data", small_text, "--out", out, timeout=120,
+                        env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "02_opt_multi_gpu_ddp.py under torchrun" in result.stderr
+    assert not out.exists()

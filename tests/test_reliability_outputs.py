@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_script
 
 STAGES = ("00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -279,3 +279,10 @@ def test_sighup_saves_and_the_printed_command_alone_finishes_the_run(script, sma
     assert torch.load(out / "model.pth", weights_only=True)["step"] == 12  # the interrupted run's own limit
     metrics = json.loads((out / "metrics.json").read_text())  # written into the interrupted run's folder
     assert metrics["steps"] == 12 and metrics["log"][-1]["step"] == 11
+
+
+def test_a_ctrl_c_while_a_stage_imports_exits_with_130():
+    """Before failures.run(main) takes over, a Ctrl-C lands in the stage's imports; once torch._dynamo is imported
+    (the stages' @torch.compile lines), Python alone would exit with 1 there, not 130."""
+    result = run_script("-c", "import failures, torch._dynamo; raise KeyboardInterrupt", timeout=120)
+    assert result.returncode == 130 and result.stderr.rstrip().endswith("KeyboardInterrupt"), result.stderr
