@@ -292,10 +292,25 @@ def check_continuation(checkpoint, args, tokens_per_step):
                          f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
                          "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)"
                          + (f"; with this --batch-size and these processes: --grad-accum-steps "
-                            f"{checkpoint['tokens_per_step'] // per_micro_batch}" if fits else ""))
+                            f"{checkpoint['tokens_per_step'] // per_micro_batch}" if fits
+                            else _a_split_that_fits(checkpoint["tokens_per_step"], per_micro_batch // args.batch_size,
+                                                    args.batch_size, accumulation)))
     if checkpoint["settings"].get("seed") != args.seed:
         raise UsageError(f"--resume {args.resume}: the checkpoint used --seed {checkpoint['settings'].get('seed')}: "
-                         "pass the same seed, so the batch order continues")
+                         "leave out --seed (--resume takes the checkpoint's) so that the batch order continues")
+
+
+def _a_split_that_fits(checkpoint_tokens, tokens_per_sequence_and_process, batch_size, accumulation):
+    """"; for example --batch-size 2 --grad-accum-steps 4": the largest --batch-size up to this run's that divides
+    the checkpoint's sequences per process, with the accumulation that makes up the rest (stage 00, without
+    accumulation: the --batch-size that does); empty where the processes cannot share the checkpoint's batch."""
+    sequences, rest = divmod(checkpoint_tokens, tokens_per_sequence_and_process)
+    if rest:
+        return ""
+    if accumulation is None:
+        return f"; --batch-size {sequences}"
+    fitting = max(size for size in range(1, min(batch_size, sequences) + 1) if sequences % size == 0)
+    return f"; for example --batch-size {fitting} --grad-accum-steps {sequences // fitting}"
 
 
 def _split_of(checkpoint):

@@ -20,8 +20,12 @@ def memory_line(num_params, cfg, batch_size, precision, flash_attention):
     half = 1 if precision in ("bf16", "fp16") else 2  # activations in 16-bit, or float32
     per_token_and_layer = 34 * cfg["emb_dim"] + (0 if flash_attention else 5 * cfg["n_heads"] * cfg["context_length"])
     activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + cfg["vocab_size"] * 4 * half)
-    return (f"Memory (estimate): weights, gradients and AdamW state {16 * num_params / GIB:.1f} GiB (16 bytes per "
-            f"parameter) + activations {activations / GIB:.1f} GiB at batch {batch_size} x {cfg['context_length']}")
+    return (f"Memory (estimate): weights, gradients and AdamW state {_gib(16 * num_params)} GiB (16 bytes per "
+            f"parameter) + activations {_gib(activations)} GiB at batch {batch_size} x {cfg['context_length']}")
+
+
+def _gib(num_bytes):  # one decimal, as the estimate deserves; four below a tenth of a GiB (--tiny), not "0.0"
+    return f"{num_bytes / GIB:.1f}" if num_bytes >= 0.1 * GIB else f"{num_bytes / GIB:.4f}"
 
 
 def end_of_warm_up(device):

@@ -189,8 +189,8 @@ class ShardMemory:
         return {"formula_bytes_per_rank": self.formula_bytes_per_rank, "measured": self.measured}
 
 
-def _gb(num_bytes):  # GiB, as every memory figure of the stages; MiB below a tenth of one
-    return f"{num_bytes / 1024**3:.3f} GiB" if num_bytes >= 0.1 * 1024**3 else f"{num_bytes / 1024**2:.2f} MiB"
+def _gb(num_bytes):  # GiB, as every memory figure of the stages; four decimals below a tenth of one (--tiny)
+    return f"{num_bytes / 1024**3:.3f} GiB" if num_bytes >= 0.1 * 1024**3 else f"{num_bytes / 1024**3:.4f} GiB"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,6 +212,12 @@ def test_a_failed_scripts_row_quotes_its_error_not_torchruns_summary():
     assert runner.failure_from_output(None, [], 60) == "timed out after 60 s (--rung-timeout)"
 
 
+def test_a_rung_whose_windows_differ_twice_or_more_is_called_unsteady():
+    assert runner.unsteady_note({"tokens_per_sec_min": 450_000, "tokens_per_sec_max": 470_000}) == ""
+    note = runner.unsteady_note({"tokens_per_sec_min": 252, "tokens_per_sec_max": 6_582})
+    assert note.startswith("; unsteady: its windows differ 26.1x") and "measure it again" in note
+
+
 def test_a_script_run_keeps_no_checkpoint(tmp_path):
     for name in ("metrics.json", "loss.png", "model.pth", ".run.lock"):
         (tmp_path / name).write_text("x")

@@ -337,8 +337,8 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step(tmp_path, smal
 
 def test_a_changed_global_batch_names_the_accumulation_that_keeps_it(monkeypatch):
     """cli.check_continuation: 01 to 03 are told the --grad-accum-steps that gives the checkpoint's global batch at
-    this run's --batch-size and processes, where one does; 00 (no accumulation), or a batch that does not divide
-    the checkpoint's, gets no suggestion."""
+    this run's --batch-size and processes, where one does, else a --batch-size and --grad-accum-steps that do; 00
+    (no accumulation) the --batch-size; processes that cannot share the checkpoint's batch get no suggestion."""
     import argparse
 
     import cli
@@ -351,12 +351,15 @@ def test_a_changed_global_batch_names_the_accumulation_that_keeps_it(monkeypatch
         args = argparse.Namespace(resume="model.pth", batch_size=batch_size, seed=123)
         if grad_accum_steps is not None:
             args.grad_accum_steps = grad_accum_steps
-        tokens = batch_size * (grad_accum_steps or 1) * 64
+        tokens = batch_size * (grad_accum_steps or 1) * cli.processes() * 64
         with pytest.raises(failures.UsageError) as raised:
             cli.check_continuation(checkpoint, args, tokens)
         return str(raised.value)
 
     assert refusal(2, 1).endswith("; with this --batch-size and these processes: --grad-accum-steps 4")
     assert refusal(8, 2).endswith("; with this --batch-size and these processes: --grad-accum-steps 1")
-    assert refusal(3, 1).endswith("(how it is split may change)")  # 3 sequences do not divide 8
-    assert refusal(2).endswith("(how it is split may change)")  # stage 00: no --grad-accum-steps to suggest
+    assert refusal(3, 1).endswith("; for example --batch-size 2 --grad-accum-steps 4")  # 3 does not divide 8
+    assert refusal(16, 1).endswith("; for example --batch-size 8 --grad-accum-steps 1")
+    assert refusal(2).endswith("; --batch-size 8")  # stage 00: no --grad-accum-steps, one process
+    monkeypatch.setenv("WORLD_SIZE", "3")  # 8 sequences cannot be shared by 3 processes
+    assert refusal(3, 1).endswith("(how it is split may change)")
