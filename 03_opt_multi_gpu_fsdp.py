@@ -244,9 +244,9 @@ def calc_loss_loader(data_loader, model, device, num_batches=None):
         input_batch = F.pad(input_batch, (0, 0, 0, missing_rows))  # (0, 0): no columns; (0, missing_rows): rows below
         target_batch = F.pad(target_batch, (0, 0, 0, missing_rows), value=-100)  # ... whose targets the loss skips
         total += calc_loss_batch(input_batch, target_batch, model, device).item()
-    if 0 < num_batches % dist.get_world_size() <= dist.get_rank():  # NEW (FSDP): every forward gathers the weights
-        dummy = torch.zeros(data_loader.batch_size, input_batch.shape[1], dtype=torch.long)  # with all ranks: the
-        calc_loss_batch(dummy, dummy, model, device)  # ranks a batch short run one more, not counted
+    if 0 < num_batches % dist.get_world_size() <= dist.get_rank():  # NEW (FSDP): a rank a batch short of the
+        dummy = torch.zeros(data_loader.batch_size, input_batch.shape[1], dtype=torch.long)  # others runs a dummy
+        calc_loss_batch(dummy, dummy, model, device)  # batch (not counted): each forward's gathers need every rank
     total = torch.tensor(total, dtype=torch.float64, device=device)  # NEW (DDP)
     dist.all_reduce(total)
     return total.item() / num_batches

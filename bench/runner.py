@@ -384,9 +384,9 @@ def script_flags(args, run_dir, max_steps, window, stage=None):
             raise ValueError(f"--option grad-accum: batch {whole} does not divide into {ACCUMULATION_STEPS} "
                              "micro-batches (give --batch-size a multiple of it)")
         batch = ["--batch-size", whole // ACCUMULATION_STEPS, "--grad-accum-steps", ACCUMULATION_STEPS]
-    return (["--data", args.data, "--device", args.device, "--seed", args.seed, "--model", args.model,
+    return (["--data", args.data, "--device", args.device, "--seed", args.seed,
              "--max-steps", max_steps, "--eval-freq", window, "--eval-iter", 1, "--epochs", 1000, "--out", run_dir]
-            + (["--tiny"] if args.tiny else []) + batch)
+            + (["--tiny"] if args.tiny else ["--model", args.model]) + batch)  # --tiny is a model of its own
 
 
 def start_run_folder(run_dir):

@@ -186,6 +186,8 @@ def test_stage_scripts_get_the_ladders_model_and_batch(tmp_path):
     flags = list(map(str, runner.script_flags(args, tmp_path / "run", max_steps=4, window=1)))
     assert flags[flags.index("--model") + 1] == "gpt2-medium" and flags[flags.index("--batch-size") + 1] == "8"
     assert flags[flags.index("--out") + 1] == str(tmp_path / "run")
+    tiny = list(map(str, runner.script_flags(argparse.Namespace(**{**vars(args), "tiny": True}), tmp_path, 4, 1)))
+    assert "--tiny" in tiny and "--model" not in tiny  # the stages refuse --model beside --tiny
     worker = list(map(str, runner.worker_command(args, "--run-rung", 3)))
     assert worker[worker.index("--model") + 1] == "gpt2-medium" and worker[worker.index("--batch-size") + 1] == "8"
     assert worker[worker.index("--option") + 1] == "max-autotune"  # each rung's process switches it on itself
