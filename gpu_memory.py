@@ -59,6 +59,16 @@ def memory_metrics(device):
     return {"memory_unit": "GiB", **dict(zip(keys, values))}
 
 
+def peaks_since_start(device):
+    """(allocated, reserved) GiB: the allocator's peaks since the process started, the first interval's (whose
+    counters end_of_warm_up reset) included; CUDA only."""
+    import torch
+
+    now = (torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB)
+    first = (_first_interval_peaks.get("allocated", 0.0), _first_interval_peaks.get("reserved", 0.0))
+    return max(now[0], first[0]), max(now[1], first[1])
+
+
 def peak_memory_line(metrics):
     """The log's last word on memory: the steady state's peaks beside the first interval's; None off CUDA."""
     if metrics["first_interval_peak_reserved_gb"] is None:

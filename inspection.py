@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import checkpoints
+import gpu_memory
 from failures import UsageError
 
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3  # steps of torch.profiler's schedule, from the run's start
@@ -169,10 +170,10 @@ class RunInspection:
         torch.cuda.memory._record_memory_history(enabled=None)
         self.snapshot = None
         steps = self.snapshot_recorded
-        allocated, reserved = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+        allocated, reserved = gpu_memory.peaks_since_start(device)  # step 0's too: its counters were reset after it
         print(f"Memory snapshot of the first {steps} step{'s' if steps != 1 else ''}: {path} (drop it on "
-              f"https://pytorch.org/memory_viz) | peak over them: {allocated / 1024**3:.2f} GiB allocated, "
-              f"{reserved / 1024**3:.2f} GiB reserved", flush=True)
+              f"https://pytorch.org/memory_viz) | peak over them: {allocated:.2f} GiB allocated, "
+              f"{reserved:.2f} GiB reserved", flush=True)
 
     def finish(self):
         """At the end of training: the memory snapshot of a run shorter than SNAPSHOT_STEPS (what it recorded), and

@@ -553,6 +553,10 @@ def test_the_steady_state_peaks_are_counted_after_the_first_interval(monkeypatch
     assert (metrics["first_interval_peak_allocated_gb"], metrics["first_interval_peak_reserved_gb"]) == (15, 16)
     line = gpu_memory.peak_memory_line(metrics)
     assert "11.00 GiB allocated, 12.50 GiB reserved after the first interval" in line and "16.00 GiB reserved" in line
+    # --memory-snapshot's steps 0-2: their peak is the first interval's (step 0), whose counters were reset
+    assert gpu_memory.peaks_since_start(device) == (15, 16)
+    state["max_allocated"], state["max_reserved"] = 17 * gib, 12.5 * gib
+    assert gpu_memory.peaks_since_start(device) == (17, 16)
     assert gpu_memory.memory_metrics(torch.device("cpu"))["peak_reserved_gb"] is None
 
 
