@@ -19,13 +19,19 @@ def memory_line(num_params, cfg, batch_size, precision, flash_attention):
     tokens = batch_size * cfg["context_length"]
     half = 1 if precision in ("bf16", "fp16") else 2  # activations in 16-bit, or float32
     per_token_and_layer = 34 * cfg["emb_dim"] + (0 if flash_attention else 5 * cfg["n_heads"] * cfg["context_length"])
-    activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + cfg["vocab_size"] * 4 * half)
-    return (f"Memory (estimate): weights, gradients and AdamW state {_gib(16 * num_params)} GiB (16 bytes per "
-            f"parameter) + activations {_gib(activations)} GiB at batch {batch_size} x {cfg['context_length']}")
+    activations = tokens * (cfg["n_layers"] * per_token_and_layer * half + logits_bytes_per_token(cfg) * half)
+    return (f"Memory (estimate): weights, gradients and AdamW state {gib(16 * num_params)} (16 bytes per "
+            f"parameter) + activations {gib(activations)} at batch {batch_size} x {cfg['context_length']}")
 
 
-def _gib(num_bytes):  # one decimal, as the estimate deserves; four below a tenth of a GiB (--tiny), not "0.0"
-    return f"{num_bytes / GIB:.1f}" if num_bytes >= 0.1 * GIB else f"{num_bytes / GIB:.4f}"
+def logits_bytes_per_token(cfg):
+    """The 16-bit logits and their gradient, kept through the backward: 2 x 2 bytes per vocabulary entry."""
+    return 4 * cfg["vocab_size"]
+
+
+def gib(num_bytes, decimals=1):
+    """"12.5 GiB": `decimals` places, four below a tenth of a GiB (--tiny's figures), not "0.0"."""
+    return f"{num_bytes / GIB:.{decimals if num_bytes >= 0.1 * GIB else 4}f} GiB"
 
 
 def end_of_warm_up(device):

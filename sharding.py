@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 import checkpoints
 import cli
 import failures
+import gpu_memory
 import timekeeping
 import utilization
 
@@ -158,7 +159,7 @@ class ShardMemory:
         gradient (4 x vocabulary bytes per token), which no recomputation removes."""
         tokens, width, layers = batch_size * cfg["context_length"], cfg["emb_dim"], cfg["n_layers"]
         per_token = (2 * layers + 34) * width if activation_checkpointing else 34 * layers * width
-        per_token += 4 * cfg["vocab_size"]
+        per_token += gpu_memory.logits_bytes_per_token(cfg)
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (f"Memory per rank: weights + gradients + AdamW state ~ 16 bytes x {self.num_params:,} parameters / "
                 f"{ranks} = {_gb(self.formula_bytes_per_rank)} (DDP holds {_gb(16 * self.num_params)} "
@@ -189,8 +190,8 @@ class ShardMemory:
         return {"formula_bytes_per_rank": self.formula_bytes_per_rank, "measured": self.measured}
 
 
-def _gb(num_bytes):  # GiB, as every memory figure of the stages; four decimals below a tenth of one (--tiny)
-    return f"{num_bytes / 1024**3:.3f} GiB" if num_bytes >= 0.1 * 1024**3 else f"{num_bytes / 1024**3:.4f} GiB"
+def _gb(num_bytes):  # three decimals: a rank's shards are measured to the byte
+    return gpu_memory.gib(num_bytes, 3)
 
 
 # ---------------------------------------------------------------------------------------------
