@@ -54,7 +54,7 @@ TUTORIAL_SAME_WORK = range(0, 5)  # its rungs 0-4 ran 00's code at batch 8 as ru
 def measured_ladders(gpu_name):
     """({folder: {rung: tok/s}}, {folder: where and when}) of the committed ladders measured alike (the stages'
     batch, gpt2-small, no options, one GPU) on the GPU named."""
-    found, when = {}, {}
+    found, when, dates = {}, {}, {}
     for folder in sorted(path for path in RESULTS.iterdir() if (path / "rows").is_dir()):
         for row in read_rows(folder, "ladder.json").values():
             context, settings = row["context"], row["context"]["settings"]
@@ -62,7 +62,9 @@ def measured_ladders(gpu_name):
                     settings.get("batch_size") or settings.get("options") or settings.get("model") != "gpt2-small"
                     or not same_gpu(gpu_name, context["device_name"])):
                 found.setdefault(folder.name, {})[row["rung"]] = row["tokens_per_sec"]
-                when[folder.name] = f"{context['device_name']}, PyTorch {context['torch']}, {row['measured_at'][:10]}"
+                dates.setdefault(folder.name, set()).add(row["measured_at"][:10])  # a ladder measured in parts
+                when[folder.name] = (f"{context['device_name']}, PyTorch {context['torch']}, "
+                                     + ", ".join(sorted(dates[folder.name])))
     return found, when
 
 
@@ -225,8 +227,8 @@ def readme_table(tables):
                                                 range(1, 11)) + f" | {found[10]:,.0f} |")
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
-        "and six numbers fitted on the H200's measurements (a share of the peak per kind of work, a cost per "
-        "launch). On the H100 (rungs "
+        "and six numbers fitted on the H200's measurements (shares of the peak, a cost per launch). On the H100 "
+        "(rungs "
         f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, predictions "
         f"missed rungs' tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
         f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}; a step's gain can miss by more (H200 "
