@@ -136,8 +136,10 @@ def build_parser():
                         help="also run 00_orig.py and 01_opt_single_gpu.py as they are, with the same steps, "
                              "and set their own tok/s beside rungs 0 and 10 (a cross-check of the composition)")
     parser.add_argument("--option", action="append", default=[], choices=tuple(OPTIONS), metavar="NAME",
-                        help=f"a change to try on top of the composed rungs 0-10 before it goes into 01 "
-                             f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets); the results "
+                        help=f"a change to try on top of the rungs before it goes into the stages "
+                             f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets; the composed "
+                             "rungs 0-10 take them all, the stage scripts 11 and 12 the settings of PyTorch, "
+                             "grad-accum and expandable-segments); the results "
                              "go to a folder of their own (-<option> appended), whose table sets each rung "
                              "beside the same rung measured without options in a folder beside it")
     parser.add_argument("--time-limit", type=cli.whole_number(1), metavar="SECONDS",
@@ -155,26 +157,34 @@ def build_parser():
 
 
 def resolve_defaults(args):
-    from bench.rungs import SCRIPT_OPTIONS, stage_context_length
+    from bench.rungs import OPTION_RUNGS, option_rungs, stage_context_length
 
     if args.context_length == stage_context_length(args.tiny):
         args.context_length = None  # the stages' own: the same measurement as without the flag, and recorded alike
-    composed_only = bool(set(args.option) - SCRIPT_OPTIONS)  # an option the stage scripts (rungs 11-12) lack
+    allowed = option_rungs(args.option)  # all thirteen without an option; the rungs that every option applies to
+    if not allowed:
+        raise failures.UsageError(f"--option {' --option '.join(args.option)}: no rung takes them all ("
+                                  + "; ".join(f"{name}: rungs {report.rung_ranges(list(OPTION_RUNGS[name]), '-')}"
+                                              for name in dict.fromkeys(args.option)) + ")")
     if args.rungs is None:
-        args.rungs = parse_rungs("0-10" if composed_only or args.context_length else "all")
-    named = [] if args.rungs == MISSING else args.rungs  # missing: 0-10 only with such an option (plan.jobs)
-    if composed_only and any(number >= 11 for number in named) and args.run_rung is None:
-        raise failures.UsageError("--option applies to the composed rungs 0-10 (rungs 11 and 12 are the stage scripts "
-                                "as they are; of the options they take only grad-accum): add --rungs 0-10, or a "
-                                "subset of it")
+        args.rungs = [number for number in allowed if not (args.context_length and number >= 11)]
+    named = [] if args.rungs == MISSING else args.rungs  # missing: those of `allowed` without a row (plan.jobs)
+    outside = [number for number in named if number not in allowed]
+    if outside and args.run_rung is None:
+        where = report.rung_ranges(allowed, "-")
+        raise failures.UsageError(f"--option applies to rungs {where} here, not to {report.rung_ranges(outside, '-')} "
+                                  "(rungs 0-10 are composed; 11 and 12 are the stage scripts as they are, which take "
+                                  "grad-accum, expandable-segments and the settings of PyTorch: max-autotune, "
+                                  "coordinate-descent, memory-budget, cuda-graphs; ddp-one-graph is rung 11's alone): "
+                                  f"add --rungs {where}, or a subset of it")
     if args.context_length and any(number >= 11 for number in named) and args.run_rung is None:
         raise failures.UsageError("--context-length applies to the composed rungs 0-10 (rungs 11 and 12 are the stage "
                                   "scripts as they are, at their own context): add --rungs 0-10, or a subset of it")
     if not args.rungs and not args.check_scripts:
         raise failures.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
     if args.option and args.check_scripts:
-        raise failures.UsageError("--option changes the composed rungs only: --check-scripts would compare them with "
-                                "scripts that lack it")
+        raise failures.UsageError("--option changes the rungs: --check-scripts would compare them with the scripts "
+                                "as they are (measure the two in commands of their own)")
     if args.context_length and args.check_scripts:
         raise failures.UsageError("--context-length changes the composed rungs only: --check-scripts would compare "
                                   "them with scripts at their own context")

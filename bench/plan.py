@@ -37,13 +37,12 @@ def jobs(args, found, missing):
     """The jobs of this command, given the rows the folder holds (`found`, by name): the rungs of --rungs (with
     --rungs missing, those without a row; a failed rung keeps its row: name it to measure it again), then the
     --check-scripts runs (all of them again beside rungs named; with --rungs missing or none, those without a row)."""
-    from bench.rungs import ALL_RUNGS, CHANGES, SCRIPT_OPTIONS
+    from bench.rungs import CHANGES, option_rungs
 
     numbers = args.rungs
-    if missing:
-        composed_only = bool(set(args.option) - SCRIPT_OPTIONS)  # as --rungs all would: no 11-12 with such an option
-        numbers = [number for number in ALL_RUNGS if not (composed_only and number >= 11)
-                   and report.rung_row_name(number) not in found]
+    if missing:  # as --rungs all would: the rungs that take every option of the command
+        numbers = [number for number in option_rungs(args.option) if report.rung_row_name(number) not in found
+                   and not (args.context_length and number >= 11)]  # the scripts run at their own context
     planned = [Job(report.rung_row_name(number), f"rung {number}: {CHANGES[number]}", rung_kind(number), number, None,
                    f"logs/rung-{number:02d}.log") for number in numbers]
     for script, rung in script_checks() if args.check_scripts else ():

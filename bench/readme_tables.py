@@ -223,7 +223,9 @@ def glance_table(folders):
             mfu = "n/a" if row.get("mfu") is None else f"{row['mfu']:.1%}" + (f" ({row['precision']})" if row.get("precision")
                                                                       else "")
             reserved = "n/a" if row.get("peak_reserved_gb") is None else f"{row['peak_reserved_gb']:.2f}"
-            lines.append(f"| {gpu} ({ladder['torch']}, {measured_dates([row])}) | {stage} | "
+            whole_runs = [{"measured_at": part["date"]} for part in (stages or {}).get("parts", [])
+                          if set(part["runs"]) & {name for name in names if name in runs}]
+            lines.append(f"| {gpu} ({ladder['torch']}, {measured_dates([row, *whole_runs])}) | {stage} | "
                          f"{row['tokens_per_sec']:,.0f} | {mfu} | {reserved} | {', '.join(wall) or 'not measured yet'} |")
         if 0 in rungs and 10 in rungs:
             speedups.append(f"{rungs[10]['tokens_per_sec'] / rungs[0]['tokens_per_sec']:.2f}x on the {gpu}")

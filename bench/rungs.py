@@ -68,7 +68,7 @@ OPTIONS = {
                   "runs of GPT-2-sized models usually train without dropout)",
     "cuda-graphs": "torch._inductor.config.triton.cudagraphs = True (torch.compile's mode=\"reduce-overhead\"): each "
                    "compiled graph is replayed as one CUDA graph, so the host launches it once instead of kernel by "
-                   "kernel (rungs 8-10, which compile)",
+                   "kernel (rungs 8-12, which compile)",
     "nested-compile-region": "torch.compiler.nested_compile_region on TransformerBlock.forward: torch.compile "
                              "traces and compiles one block and reuses that code for the others (what it buys is "
                              "compile time, a cold start's largest part; rungs 8-10), with "
@@ -78,6 +78,10 @@ OPTIONS = {
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
+    "ddp-one-graph": "torch._dynamo.config.optimize_ddp = False (rung 11 only): 02's compiled model stays one graph "
+                     "instead of one per gradient bucket, and DDP all-reduces once the whole backward is done (no "
+                     "overlap of communication and computation: nothing to overlap with one process, lost with "
+                     "several)",
 }
 # Options that act through the environment a rung's process starts with (the allocator reads it once, at CUDA's
 # initialization): the ladder sets it when it starts the rung.
@@ -85,9 +89,22 @@ OPTIONS = {
 # deprecated fallback, ignored where the new name is set): both, so that no setting of the machine's wins.
 OPTION_ENVIRONMENT = {"expandable-segments": {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
                                               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-SCRIPT_OPTIONS = {"grad-accum"}  # the options rungs 11 and 12 take too (as the stage scripts' own flags)
 SINGLE_PROCESS_RUNGS = range(0, 11)
 ALL_RUNGS = range(0, 13)
+# The rungs each option applies to: the composed rungs 0-10, unless named here. Rungs 11 and 12 are the stage
+# scripts as they are; they take grad-accum as their own flag, the allocator's setting in their environment, and the
+# settings of PyTorch below in their own processes (bench/script_with_options.py starts them so, under torchrun).
+OPTION_RUNGS = {**{name: SINGLE_PROCESS_RUNGS for name in OPTIONS},
+                **{name: ALL_RUNGS for name in ("grad-accum", "expandable-segments", "max-autotune",
+                                                "coordinate-descent", "memory-budget", "cuda-graphs")},
+                "ddp-one-graph": range(11, 12)}
+SCRIPT_OPTIONS = {name for name, numbers in OPTION_RUNGS.items() if set(numbers) & {11, 12}}
+SCRIPT_SETTINGS = SCRIPT_OPTIONS - {"grad-accum", "expandable-segments"}  # applied in the script's process
+
+
+def option_rungs(names):
+    """The rungs that every option of `names` applies to (all of them without options), in order."""
+    return [number for number in ALL_RUNGS if all(number in OPTION_RUNGS[name] for name in names)]
 
 _load_counter = itertools.count()
 
@@ -118,6 +135,9 @@ def apply_options(names):
         elif name == "nested-compile-region":  # compose() marks the block; here the setting its gradients need
             import torch._inductor.config as inductor_config
             inductor_config.allow_buffer_reuse = False
+        elif name == "ddp-one-graph":
+            import torch._dynamo.config as dynamo_config
+            dynamo_config.optimize_ddp = False
         elif name == "memory-budget":
             import torch._functorch.config as functorch_config
             functorch_config.activation_memory_budget = MEMORY_BUDGET

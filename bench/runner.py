@@ -389,6 +389,19 @@ def script_flags(args, run_dir, max_steps, window, stage=None):
             + (["--tiny"] if args.tiny else ["--model", args.model]) + batch)  # --tiny is a model of its own
 
 
+def script_command(script, options):
+    """The script to start, with the options that are settings of PyTorch switched on in its process first
+    (bench/script_with_options.py) where there are any; grad-accum is a flag (script_flags), expandable-segments the
+    environment."""
+    from bench.rungs import SCRIPT_SETTINGS
+
+    settings = [name for name in options if name in SCRIPT_SETTINGS]
+    if not settings:
+        return [script]
+    return [ROOT / "bench" / "script_with_options.py", *(part for name in settings for part in ("--option", name)),
+            script]
+
+
 def start_run_folder(run_dir):
     """An empty run folder for a stage script (the one an earlier measurement left is this ladder's own)."""
     if run_dir.exists():
@@ -416,7 +429,7 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
     Its numbers come from its own clock (the per-interval `Step tok/sec` of its log, all processes
     together), not from the ladder's timing loop; see script_schedule for how the two are lined up.
     """
-    from bench.rungs import load_stage
+    from bench.rungs import load_stage, option_environment
 
     script = ROOT / script_name
     if not script.exists():
@@ -427,9 +440,9 @@ def run_stage_script(script_name, launcher, args, device_info, log_path, run_dir
     window, measured_ends, max_steps = script_schedule(args.warmup, args.steps, args.windows, steps_per_epoch)
     start_run_folder(run_dir)
     try:
-        code, tail = run_streaming([*launcher, script, *script_flags(args, run_dir, max_steps, window, stage)],
-                                   log_path,
-                                   timeout)
+        code, tail = run_streaming([*launcher, *script_command(script, args.option),
+                                    *script_flags(args, run_dir, max_steps, window, stage)],
+                                   log_path, timeout, env=option_environment(args.option))
     finally:
         drop_checkpoints(run_dir)  # also after a failure or an interrupt: a checkpoint is never needed here
     metrics_path = run_dir / "metrics.json"
@@ -502,6 +515,8 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
             from bench.rungs import ACCUMULATION_STEPS, OPTIONS
             row["notes"].append(f"option grad-accum: batch {row['batch_size']} x --grad-accum-steps "
                                 f"{ACCUMULATION_STEPS} per process: {OPTIONS['grad-accum']}")
+        from bench.rungs import OPTIONS
+        row["notes"] += [f"option {name}: {OPTIONS[name]}" for name in args.option if name != "grad-accum"]
         override = batch_size_note(args.batch_size, row["stage_batch_size"])
         if override:
             row["notes"].append(override)

@@ -429,6 +429,7 @@ def test_the_ladder_refuses_a_command_measured_otherwise_and_writes_nothing(tmp_
 
 
 def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
+    import torch._dynamo.config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -452,6 +453,9 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
         assert functorch_config.activation_memory_budget == saved_budget == 1.0
         rungs.apply_options(["memory-budget"])
         assert functorch_config.activation_memory_budget == rungs.MEMORY_BUDGET < 1
+        assert torch._dynamo.config.optimize_ddp is True  # DDP's graph split per bucket, as 02 runs by default
+        rungs.apply_options(["ddp-one-graph"])
+        assert torch._dynamo.config.optimize_ddp is False
         with pytest.raises(ValueError, match="unknown option"):
             rungs.apply_options(["fast"])
         # the allocator reads its settings once: the ladder starts the rung's process with them, and a process
@@ -468,11 +472,12 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
         functorch_config.activation_memory_budget, inductor_config.triton.cudagraphs = saved_budget, saved_graphs
         inductor_config.allow_buffer_reuse = saved_reuse
+        torch._dynamo.config.optimize_ddp = True
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
     assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
-                                     "expandable-segments", "grad-accum", "max-autotune", "memory-budget",
+                                     "ddp-one-graph", "expandable-segments", "grad-accum", "max-autotune", "memory-budget",
                                      "nested-compile-region", "no-dropout"]
 
 
@@ -594,18 +599,61 @@ def assert_refused_in_one_line(flags, message, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--option", "max-autotune", "--rungs", "8-11"), "--option applies to the composed rungs 0-10"),
+    (("--option", "no-dropout", "--rungs", "8-11"), "--option applies to rungs 0-10 here, not to 11"),
+    (("--option", "ddp-one-graph", "--rungs", "10-12"), "--option applies to rungs 11 here, not to 10, 12"),
+    (("--option", "ddp-one-graph", "--option", "chunked-loss"), "no rung takes them all (ddp-one-graph: rungs 11;"),
     (("--option", "max-autotune", "--check-scripts"), "--check-scripts would compare them"),
     (("--option", "fastest"), "invalid choice: 'fastest'"),
 ])
-def test_an_option_stays_on_the_composed_rungs(flags, message, tmp_path, capsys):
+def test_an_option_stays_on_the_rungs_that_take_it(flags, message, tmp_path, capsys):
     assert_refused_in_one_line(flags, message, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("options, rungs", [
+    ((), range(13)),
+    (("no-dropout",), range(11)),  # the model's config: the composed rungs only
+    (("max-autotune", "grad-accum"), range(13)),  # a setting of PyTorch and a flag: the scripts take both
+    (("cuda-graphs", "chunked-loss"), range(11)),
+    (("ddp-one-graph",), [11]),  # DDP's: 02 alone
+])
+def test_an_options_rungs_are_those_that_take_every_option_named(options, rungs):
+    parsed = ladder.build_parser().parse_args(["--tiny", *(part for name in options for part in ("--option", name))])
+    assert ladder.resolve_defaults(parsed).rungs == list(rungs)
+
+
+def test_the_scripts_take_the_settings_of_pytorch_through_a_launcher_and_nothing_else():
+    """Rungs 11 and 12 run the stage script as it is; a setting of PyTorch reaches its processes through
+    bench/script_with_options.py, started in the script's place; a flag (grad-accum) or the environment
+    (expandable-segments) need no launcher; an option of the composed rungs is refused by the launcher itself."""
+    from bench import script_with_options
+
+    assert runner.script_command("02.py", ["grad-accum", "expandable-segments"]) == ["02.py"]
+    launcher = runner.ROOT / "bench" / "script_with_options.py"
+    assert runner.script_command("02.py", ["grad-accum", "cuda-graphs", "ddp-one-graph"]) == [
+        launcher, "--option", "cuda-graphs", "--option", "ddp-one-graph", "02.py"]
+    assert script_with_options.split_command(["--option", "cuda-graphs", "02.py", "--option", "x"]) == (
+        ["cuda-graphs"], "02.py", ["--option", "x"])  # the script's own flags stay its own
+    with pytest.raises(SystemExit, match="no-dropout is no setting a stage script takes"):
+        script_with_options.main(["--option", "no-dropout", "02.py"])
+
+
+def test_the_launcher_runs_the_script_as_main_with_its_flags_and_the_settings_on(tmp_path):
+    script = tmp_path / "stage.py"
+    script.write_text("import sys, torch._dynamo, torch._inductor.config as inductor\n"
+                      "if __name__ == '__main__':\n"
+                      "    print(sys.argv[1:], torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs,"
+                      " sys.path[0] == sys.argv[0].rsplit('/', 1)[0])\n", encoding="utf-8")
+    command = [sys.executable, str(runner.ROOT / "bench" / "script_with_options.py"), "--option", "ddp-one-graph",
+               "--option", "cuda-graphs", str(script), "--max-steps", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] False True True", done.stdout
 
 
 def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
     args = ladder.resolve_defaults(ladder.build_parser().parse_args(["--tiny", "--option", "max-autotune",
                                                                      "--option", "coordinate-descent"]))
-    assert args.rungs == list(range(11)) and args.option == ["max-autotune", "coordinate-descent"]
+    assert args.rungs == list(range(13)) and args.option == ["max-autotune", "coordinate-descent"]
     folder = ladder.results_folder(args, {"slug": "nvidia-h100-80gb-hbm3"})
     assert folder.name == "nvidia-h100-80gb-hbm3-coordinate-descent-max-autotune-tiny"
     out = tmp_path / "out"
