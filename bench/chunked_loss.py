@@ -11,7 +11,9 @@ made.
 The matmuls are the same three as before (the logits, and the two gradient matmuls), plus one dot product per token
 for the loss (its own logit: a 50,304th of the head's matmul), so no FLOP to speak of is added. The same
 idea is llm.c's fused classifier and Liger Kernel's fused linear cross-entropy. `--option chunked-loss` of
-bench/ladder.py measures it on the composed rungs (4 to 10: the rungs whose loss is 01's forward_and_loss).
+bench/ladder.py measures it on the composed rungs (4 to 10: the rungs whose loss is 01's forward_and_loss), and
+`--option fused-loss` the same with the whole batch as one chunk (fused_forward_and_loss): no memory saved then, but
+the backward no longer reads the logits again, as 01's loss does to make their gradient.
 """
 
 import torch
@@ -95,3 +97,9 @@ def forward_and_loss(model, input_batch, target_batch, chunk_tokens=CHUNK_TOKENS
         logits = model.out_head(hidden)
         return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
     return LinearCrossEntropy.apply(hidden.flatten(0, 1), model.out_head.weight, target_batch.flatten(), chunk_tokens)
+
+
+def fused_forward_and_loss(model, input_batch, target_batch):
+    """forward_and_loss with the whole batch as one chunk: the logits' gradient written in the pass that makes the
+    loss, where 01 reads the logits again in the backward to make it."""
+    return forward_and_loss(model, input_batch, target_batch, chunk_tokens=input_batch.numel())

@@ -182,6 +182,8 @@ def resolve_defaults(args):
                                   "scripts as they are, at their own context): add --rungs 0-10, or a subset of it")
     if not args.rungs and not args.check_scripts:
         raise failures.UsageError("--rungs none measures nothing: it is for --check-scripts alone")
+    if {"chunked-loss", "fused-loss"} <= set(args.option):
+        raise failures.UsageError("--option chunked-loss and fused-loss each replace 01's loss: name one of them")
     if args.option and args.check_scripts:
         raise failures.UsageError("--option changes the rungs: --check-scripts would compare them with the scripts "
                                 "as they are (measure the two in commands of their own)")

@@ -59,6 +59,10 @@ OPTIONS = {
     "chunked-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's: the output head and the loss in "
                     f"chunks of {chunked_loss.CHUNK_TOKENS:,} tokens, their gradient made in the forward, so the "
                     "logits are never kept whole (rungs 4-10, whose loss is 01's)",
+    "fused-loss": "01's forward_and_loss replaced by bench/chunked_loss.py's with the whole batch as one chunk: "
+                  "the loss's forward writes the logits' gradient in the same pass, and the head's two gradient "
+                  "matmuls run there too, so the backward does not read the logits again (llm.c's fused classifier; "
+                  "rungs 4-10, whose loss is 01's)",
     "grad-accum": f"gradient accumulation: each optimizer step's batch as {ACCUMULATION_STEPS} micro-batches of a "
                   f"{ACCUMULATION_STEPS}th of it, their gradients summed (the same math: rung 10 as 4 x 8 against "
                   "32 shows what the smaller matmuls cost; rungs 11 and 12 run the stage scripts with "
@@ -112,10 +116,10 @@ _load_counter = itertools.count()
 def apply_options(names):
     """Switch on the measured options `names` (keys of OPTIONS) for this process; before the rung is composed.
 
-    chunked-loss, grad-accum and no-dropout change the rung's code or config, not a setting of PyTorch: compose()
-    takes them (its `options`); nested-compile-region is both (compose() marks the block)."""
+    chunked-loss, fused-loss, grad-accum and no-dropout change the rung's code or config, not a setting of PyTorch:
+    compose() takes them (its `options`); nested-compile-region is both (compose() marks the block)."""
     for name in names:
-        if name in ("chunked-loss", "grad-accum", "no-dropout"):  # compose() takes these
+        if name in ("chunked-loss", "fused-loss", "grad-accum", "no-dropout"):  # compose() takes these
             continue
         if name in OPTION_ENVIRONMENT:
             missing = {key: value for key, value in OPTION_ENVIRONMENT[name].items() if os.environ.get(key) != value}
@@ -333,8 +337,9 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
 
     `model` is one of cli.MODEL_SIZES (ignored under `tiny`, as in the stages); `batch_size`, when given,
     replaces every rung's batch (--batch-size of bench/ladder.py); `options` are the ladder's --option names, of
-    which compose acts on chunked-loss, grad-accum, no-dropout and nested-compile-region (apply_options switches
-    on the others); `context_length`, when given, replaces every rung's context (--context-length)."""
+    which compose acts on chunked-loss, fused-loss, grad-accum, no-dropout and nested-compile-region
+    (apply_options switches on the others); `context_length`, when given, replaces every rung's context
+    (--context-length)."""
     if number not in SINGLE_PROCESS_RUNGS:
         raise ValueError(f"rung {number} is not a single-process rung (0 to 10)")
     stage00, stage01 = load_stage(STAGE_00), load_stage(STAGE_01)
@@ -385,11 +390,14 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
     # then autocast around forward and loss, compiled. This rung's copy of 01 leaves out the
     # steps it has not reached: no autocast before step 5, the eager forward and loss before step 8.
     data_stage = stage01 if takes_01("loss path", number) else stage00
-    if "chunked-loss" in options:  # --option chunked-loss: before training_loss is pointed at forward_and_loss below
+    for name, loss in (("chunked-loss", chunked_loss.forward_and_loss),
+                       ("fused-loss", chunked_loss.fused_forward_and_loss)):
+        if name not in options:  # --option chunked-loss, fused-loss: before training_loss is pointed at it below
+            continue
         if takes_01("loss path", number):
-            stage01.forward_and_loss = chunked_loss.forward_and_loss
+            stage01.forward_and_loss = loss
         else:
-            notes.append("no effect here: chunked-loss replaces 01's forward_and_loss, and this rung's loss is 00's")
+            notes.append(f"no effect here: {name} replaces 01's forward_and_loss, and this rung's loss is 00's")
     if "nested-compile-region" in options:  # on the class of this rung's own copy of 01, before it compiles
         if number >= 8:
             stage01.TransformerBlock.forward = torch.compiler.nested_compile_region(stage01.TransformerBlock.forward)

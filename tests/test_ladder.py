@@ -477,7 +477,7 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
     assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
-                                     "ddp-one-graph", "expandable-segments", "grad-accum", "max-autotune", "memory-budget",
+                                     "ddp-one-graph", "expandable-segments", "fused-loss", "grad-accum", "max-autotune", "memory-budget",
                                      "nested-compile-region", "no-dropout"]
 
 
@@ -563,27 +563,29 @@ def test_rungs_keep_cudnns_attention_off_as_the_stages_do_unless_the_option_meas
         backends.enable_cudnn_sdp(saved)
 
 
-def test_the_chunked_loss_option_replaces_01s_loss_from_rung_4_and_trains_the_same():
+@pytest.mark.parametrize("option", ["chunked-loss", "fused-loss"])
+def test_the_loss_options_replace_01s_loss_from_rung_4_and_train_the_same(option):
     """compose() swaps bench/chunked_loss.py's forward_and_loss in where the rung's loss is 01's: one training step
     then gives the same loss and the same gradients as the rung without the option. Rung 4, the first it changes, is
     the last in float32: from rung 5 on a CPU with bf16 trains in bf16, where the two losses' float32 work, rounded
     otherwise, turns a few of the logits' bf16 gradients the other way (1e-3 apart in a small gradient)."""
     from bench import chunked_loss
 
-    rungs.apply_options(["chunked-loss"])  # no setting of PyTorch to switch: compose does it
+    replaced_by = {"chunked-loss": chunked_loss.forward_and_loss, "fused-loss": chunked_loss.fused_forward_and_loss}
+    rungs.apply_options([option])  # no setting of PyTorch to switch: compose does it
     inputs = torch.randint(0, 50257, (4, 64), generator=torch.Generator().manual_seed(0))
     results = {}
-    for options in ((), ("chunked-loss",)):
+    for options in ((), (option,)):
         rung = rungs.compose(4, CPU, tiny=True, seed=5, options=options)
         rung.model.eval()  # no dropout: both runs see the same network
-        assert (rung.data_stage.forward_and_loss is chunked_loss.forward_and_loss) == bool(options)
+        assert (rung.data_stage.forward_and_loss is replaced_by[option]) == bool(options)
         loss = rung.train_step(inputs, inputs.roll(-1, dims=1)).item()
         results[options] = loss, [p.grad for p in rung.model.parameters()]  # the step's, kept until the next one
     (plain_loss, plain), (chunked_loss_value, chunked) = results.values()
     assert chunked_loss_value == pytest.approx(plain_loss, rel=1e-6)
     assert max(((ours - theirs).norm() / theirs.norm()).item() for ours, theirs in zip(chunked, plain)) < 1e-5
-    before_01 = rungs.compose(3, CPU, tiny=True, options=("chunked-loss",))
-    assert any(note.startswith("no effect here: chunked-loss") for note in before_01.notes)
+    before_01 = rungs.compose(3, CPU, tiny=True, options=(option,))
+    assert any(note.startswith(f"no effect here: {option}") for note in before_01.notes)
 
 
 def assert_refused_in_one_line(flags, message, tmp_path, capsys):
@@ -603,6 +605,7 @@ def assert_refused_in_one_line(flags, message, tmp_path, capsys):
     (("--option", "ddp-one-graph", "--rungs", "10-12"), "--option applies to rungs 11 here, not to 10, 12"),
     (("--option", "ddp-one-graph", "--option", "chunked-loss"), "no rung takes them all (ddp-one-graph: rungs 11;"),
     (("--option", "max-autotune", "--check-scripts"), "--check-scripts would compare them"),
+    (("--option", "chunked-loss", "--option", "fused-loss"), "each replace 01's loss: name one of them"),
     (("--option", "fastest"), "invalid choice: 'fastest'"),
 ])
 def test_an_option_stays_on_the_rungs_that_take_it(flags, message, tmp_path, capsys):
