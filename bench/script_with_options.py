@@ -32,8 +32,6 @@ def split_command(argv):
 
 def main(argv=None):
     options, script, flags = split_command(sys.argv[1:] if argv is None else argv)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from bench.rungs import SCRIPT_SETTINGS, apply_options
 
     unknown = [name for name in options if name not in SCRIPT_SETTINGS]
@@ -48,4 +46,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.path[0] = str(ROOT)  # for bench.rungs, in place of this file's folder (bench/), which the script never sees
     main()
