@@ -162,10 +162,10 @@ def resolve_defaults(args):
     if args.context_length == stage_context_length(args.tiny):
         args.context_length = None  # the stages' own: the same measurement as without the flag, and recorded alike
     allowed = option_rungs(args.option)  # all thirteen without an option; the rungs that every option applies to
+    takes = "; ".join(f"{name}: rungs {report.rung_ranges(list(OPTION_RUNGS[name]), '-')}"
+                      for name in dict.fromkeys(args.option))  # what each option named applies to, for a refusal
     if not allowed:
-        raise failures.UsageError(f"--option {' --option '.join(args.option)}: no rung takes them all ("
-                                  + "; ".join(f"{name}: rungs {report.rung_ranges(list(OPTION_RUNGS[name]), '-')}"
-                                              for name in dict.fromkeys(args.option)) + ")")
+        raise failures.UsageError(f"--option {' --option '.join(args.option)}: no rung takes them all ({takes})")
     if args.rungs is None:
         args.rungs = [number for number in allowed if not (args.context_length and number >= 11)]
     named = [] if args.rungs == MISSING else args.rungs  # missing: those of `allowed` without a row (plan.jobs)
@@ -173,10 +173,8 @@ def resolve_defaults(args):
     if outside and args.run_rung is None:
         where = report.rung_ranges(allowed, "-")
         raise failures.UsageError(f"--option applies to rungs {where} here, not to {report.rung_ranges(outside, '-')} "
-                                  "(rungs 0-10 are composed; 11 and 12 are the stage scripts as they are, which take "
-                                  "grad-accum, expandable-segments and the settings of PyTorch: max-autotune, "
-                                  "coordinate-descent, memory-budget, cuda-graphs; ddp-one-graph is rung 11's alone): "
-                                  f"add --rungs {where}, or a subset of it")
+                                  f"({takes}; rungs 11 and 12 are the stage scripts as they are): add --rungs {where}, "
+                                  "or a subset of it")
     if args.context_length and any(number >= 11 for number in named) and args.run_rung is None:
         raise failures.UsageError("--context-length applies to the composed rungs 0-10 (rungs 11 and 12 are the stage "
                                   "scripts as they are, at their own context): add --rungs 0-10, or a subset of it")

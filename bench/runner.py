@@ -511,12 +511,11 @@ def run_multi_process_rung(number, args, device_info, logs, timeout, limit="--ru
                                 f"as an input and their gradient takes a buffer of its own ({row['bf16_logits_gb']:.2f}"
                                 " GiB in bf16), where 01 and 02 write it over the saved logits: memory that has "
                                 "nothing to do with sharding")
-        if "grad-accum" in args.option:
-            from bench.rungs import ACCUMULATION_STEPS, OPTIONS
-            row["notes"].append(f"option grad-accum: batch {row['batch_size']} x --grad-accum-steps "
-                                f"{ACCUMULATION_STEPS} per process: {OPTIONS['grad-accum']}")
-        from bench.rungs import OPTIONS
-        row["notes"] += [f"option {name}: {OPTIONS[name]}" for name in args.option if name != "grad-accum"]
+        from bench.rungs import ACCUMULATION_STEPS, OPTIONS
+        for name in args.option:  # what each option set; grad-accum's with the micro-batch it gave
+            batch = (f"batch {row['batch_size']} x --grad-accum-steps {ACCUMULATION_STEPS} per process: "
+                     if name == "grad-accum" else "")
+            row["notes"].append(f"option {name}: {batch}{OPTIONS[name]}")
         override = batch_size_note(args.batch_size, row["stage_batch_size"])
         if override:
             row["notes"].append(override)

@@ -477,8 +477,8 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
     assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
-                                     "ddp-one-graph", "expandable-segments", "fused-loss", "grad-accum", "max-autotune", "memory-budget",
-                                     "nested-compile-region", "no-dropout"]
+                                     "ddp-one-graph", "expandable-segments", "fused-loss", "grad-accum", "max-autotune",
+                                     "memory-budget", "nested-compile-region", "no-dropout"]
 
 
 ALLOWED = 1e-4  # compiled against eager, of each parameter's largest gradient entry (float32 reordered: ~1e-6)
