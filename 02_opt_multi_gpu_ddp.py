@@ -429,10 +429,11 @@ def main():
     devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, what cannot run falls back (a line each)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
-    # NEW (DDP): every process holds a replica; backward averages the gradients across all of them
-    # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of them (0.61 GiB full size)
+    # NEW (DDP): every process holds a replica; backward averages the gradients across all of them, a bucket at a time.
+    # With 2+ processes the compiled graph is split at the buckets, so each bucket's all-reduce overlaps the backward
+    torch._dynamo.config.optimize_ddp = world_size > 1  # one process has nothing to overlap: 01's graph, whole
     ddp_model = DDP(ModelWithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True)  # the gradients live in the all-reduce buckets: no copy (0.61 GiB)
     num_params = sum(p.numel() for p in model.parameters())
     setup = progress.RunSetup(args, cfg, device, tokenizer, clock, resume,  # what the run is: train_model's plan
                               tokens_per_step=train_loader.batch_size * context * world_size,  # NEW (DDP)
@@ -473,8 +474,7 @@ def main():
         raise failures.out_of_memory(device, args.batch_size, context) from None
     print(f"Training took {(time.time() - start) / 60:.2f} minutes (evaluation, sampling and compilation included)")
 
-    # NEW (DDP): the replicas must end identical: compare a checksum of the weights across ranks
-    checksums = [None] * world_size
+    checksums = [None] * world_size  # NEW (DDP): the replicas must end identical: compare their weights' checksums
     dist.all_gather_object(checksums, sum(p.detach().double().sum().item() for p in model.parameters()))
     if world_size > 1:  # one rank has nothing to compare with
         print(f"Weight checksums of the {world_size} ranks: {'identical' if len(set(checksums)) == 1 else checksums}")

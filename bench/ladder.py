@@ -164,8 +164,6 @@ def resolve_defaults(args):
     allowed = option_rungs(args.option)  # all thirteen without an option; the rungs that every option applies to
     takes = "; ".join(f"{name}: rungs {report.rung_ranges(list(OPTION_RUNGS[name]), '-')}"
                       for name in dict.fromkeys(args.option))  # what each option named applies to, for a refusal
-    if not allowed:
-        raise failures.UsageError(f"--option {' --option '.join(args.option)}: no rung takes them all ({takes})")
     if args.rungs is None:
         args.rungs = [number for number in allowed if not (args.context_length and number >= 11)]
     named = [] if args.rungs == MISSING else args.rungs  # missing: those of `allowed` without a row (plan.jobs)

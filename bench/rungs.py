@@ -82,10 +82,6 @@ OPTIONS = {
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
-    "ddp-one-graph": "torch._dynamo.config.optimize_ddp = False (rung 11 only): 02's compiled model stays one graph "
-                     "instead of one per gradient bucket, and DDP all-reduces once the whole backward is done (no "
-                     "overlap of communication and computation: nothing to overlap with one process, lost with "
-                     "several)",
 }
 # Options that act through the environment a rung's process starts with (the allocator reads it once, at CUDA's
 # initialization): the ladder sets it when it starts the rung.
@@ -100,8 +96,7 @@ ALL_RUNGS = range(0, 13)
 # settings of PyTorch below in their own processes (bench/script_with_options.py starts them so, under torchrun).
 OPTION_RUNGS = {**{name: SINGLE_PROCESS_RUNGS for name in OPTIONS},
                 **{name: ALL_RUNGS for name in ("grad-accum", "expandable-segments", "max-autotune",
-                                                "coordinate-descent", "memory-budget", "cuda-graphs")},
-                "ddp-one-graph": range(11, 12)}
+                                                "coordinate-descent", "memory-budget", "cuda-graphs")}}
 SCRIPT_OPTIONS = {name for name, numbers in OPTION_RUNGS.items() if set(numbers) & {11, 12}}
 SCRIPT_SETTINGS = SCRIPT_OPTIONS - {"grad-accum", "expandable-segments"}  # applied in the script's process
 
@@ -139,9 +134,6 @@ def apply_options(names):
         elif name == "nested-compile-region":  # compose() marks the block; here the setting its gradients need
             import torch._inductor.config as inductor_config
             inductor_config.allow_buffer_reuse = False
-        elif name == "ddp-one-graph":
-            import torch._dynamo.config as dynamo_config
-            dynamo_config.optimize_ddp = False
         elif name == "memory-budget":
             import torch._functorch.config as functorch_config
             functorch_config.activation_memory_budget = MEMORY_BUDGET

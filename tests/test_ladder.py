@@ -453,9 +453,6 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
         assert functorch_config.activation_memory_budget == saved_budget == 1.0
         rungs.apply_options(["memory-budget"])
         assert functorch_config.activation_memory_budget == rungs.MEMORY_BUDGET < 1
-        assert torch._dynamo.config.optimize_ddp is True  # DDP's graph split per bucket, as 02 runs by default
-        rungs.apply_options(["ddp-one-graph"])
-        assert torch._dynamo.config.optimize_ddp is False
         with pytest.raises(ValueError, match="unknown option"):
             rungs.apply_options(["fast"])
         # the allocator reads its settings once: the ladder starts the rung's process with them, and a process
@@ -472,12 +469,11 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
         inductor_config.max_autotune, inductor_config.coordinate_descent_tuning = saved[:2]
         functorch_config.activation_memory_budget, inductor_config.triton.cudagraphs = saved_budget, saved_graphs
         inductor_config.allow_buffer_reuse = saved_reuse
-        torch._dynamo.config.optimize_ddp = True
         for enable, value in zip((backends.enable_flash_sdp, backends.enable_mem_efficient_sdp,
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
     assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
-                                     "ddp-one-graph", "expandable-segments", "fused-loss", "grad-accum", "max-autotune",
+                                     "expandable-segments", "fused-loss", "grad-accum", "max-autotune",
                                      "memory-budget", "nested-compile-region", "no-dropout"]
 
 
@@ -602,8 +598,8 @@ def assert_refused_in_one_line(flags, message, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (("--option", "no-dropout", "--rungs", "8-11"), "--option applies to rungs 0-10 here, not to 11"),
-    (("--option", "ddp-one-graph", "--rungs", "10-12"), "--option applies to rungs 11 here, not to 10, 12"),
-    (("--option", "ddp-one-graph", "--option", "chunked-loss"), "no rung takes them all (ddp-one-graph: rungs 11;"),
+    (("--option", "cuda-graphs", "--option", "chunked-loss", "--rungs", "10-12"),
+     "--option applies to rungs 0-10 here, not to 11-12 (cuda-graphs: rungs 0-12; chunked-loss: rungs 0-10;"),
     (("--option", "max-autotune", "--check-scripts"), "--check-scripts would compare them"),
     (("--option", "chunked-loss", "--option", "fused-loss"), "each replace 01's loss: name one of them"),
     (("--option", "fastest"), "invalid choice: 'fastest'"),
@@ -617,7 +613,6 @@ def test_an_option_stays_on_the_rungs_that_take_it(flags, message, tmp_path, cap
     (("no-dropout",), range(11)),  # the model's config: the composed rungs only
     (("max-autotune", "grad-accum"), range(13)),  # a setting of PyTorch and a flag: the scripts take both
     (("cuda-graphs", "chunked-loss"), range(11)),
-    (("ddp-one-graph",), [11]),  # DDP's: 02 alone
 ])
 def test_an_options_rungs_are_those_that_take_every_option_named(options, rungs):
     parsed = ladder.build_parser().parse_args(["--tiny", *(part for name in options for part in ("--option", name))])
@@ -632,8 +627,8 @@ def test_the_scripts_take_the_settings_of_pytorch_through_a_launcher_and_nothing
 
     assert runner.script_command("02.py", ["grad-accum", "expandable-segments"]) == ["02.py"]
     launcher = runner.ROOT / "bench" / "script_with_options.py"
-    assert runner.script_command("02.py", ["grad-accum", "cuda-graphs", "ddp-one-graph"]) == [
-        launcher, "--option", "cuda-graphs", "--option", "ddp-one-graph", "02.py"]
+    assert runner.script_command("02.py", ["grad-accum", "cuda-graphs", "max-autotune"]) == [
+        launcher, "--option", "cuda-graphs", "--option", "max-autotune", "02.py"]
     assert script_with_options.split_command(["--option", "cuda-graphs", "02.py", "--option", "x"]) == (
         ["cuda-graphs"], "02.py", ["--option", "x"])  # the script's own flags stay its own
     with pytest.raises(SystemExit, match="no-dropout is no setting a stage script takes"):
@@ -644,13 +639,13 @@ def test_the_launcher_runs_the_script_as_main_with_its_flags_and_the_settings_on
     script = tmp_path / "stage.py"
     script.write_text("import sys, torch._dynamo, torch._inductor.config as inductor\n"
                       "if __name__ == '__main__':\n"
-                      "    print(sys.argv[1:], torch._dynamo.config.optimize_ddp, inductor.triton.cudagraphs,"
+                      "    print(sys.argv[1:], inductor.max_autotune, inductor.triton.cudagraphs,"
                       " sys.path[0] == sys.argv[0].rsplit('/', 1)[0])\n", encoding="utf-8")
-    command = [sys.executable, str(runner.ROOT / "bench" / "script_with_options.py"), "--option", "ddp-one-graph",
+    command = [sys.executable, str(runner.ROOT / "bench" / "script_with_options.py"), "--option", "max-autotune",
                "--option", "cuda-graphs", str(script), "--max-steps", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] False True True", done.stdout
+    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] True True True", done.stdout
 
 
 def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):

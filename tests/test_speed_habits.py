@@ -358,8 +358,7 @@ def test_stage02_timeouts_are_sized_for_a_checkpoint_write_and_stated(monkeypatc
 
 def test_stage02_compiles_without_graph_breaks_in_one_process(small_text, tmp_path, capfd):
     """Stage 02 compiles forward and loss as one graph that DDP wraps: no graph break at world size 1 either, with
-    gradient accumulation too. Run just before the two-rank test below, at its shapes, so that its two ranks find
-    the graphs compiled (the cache), rather than both compiling them at once."""
+    gradient accumulation too, and no split per gradient bucket there (the two-rank test below has one)."""
     # Before DDP wrapped the compiled unit, Dynamo traced into DDP's own forward and broke the graph at its
     # _pre_forward and in contextlib frames: 4 "Graph break" lines in this very run.
     from test_stage02_ddp import clean_env, run_all, torchrun
@@ -375,6 +374,8 @@ def test_stage02_compiles_without_graph_breaks_in_one_process(small_text, tmp_pa
     assert "training_loss" in traced and "evaluation_loss" in traced, stderr[-3000:]
     assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]
     assert "Recompiling" not in stderr, re.findall(r".*Recompiling.*", stderr)[:3]
+    # one process has no all-reduce to overlap: 01's graph, whole, not one per gradient bucket (two ranks: below)
+    assert "DDPOptimizer" not in stderr, re.findall(r".*DDPOptimizer.*", stderr)[:3]
 
 
 def test_stage02_compiled_at_two_ranks_never_recompiles_and_saves_each_ranks_dropout_state(small_text, tmp_path,
@@ -396,6 +397,9 @@ def test_stage02_compiled_at_two_ranks_never_recompiles_and_saves_each_ranks_dro
     assert "training_loss" in [name for _, _, name in frames] and "evaluation_loss" in [n for _, _, n in frames]
     assert "Recompiling" not in stderr
     assert "Graph break" not in stderr, re.findall(r".*Graph break.*", stderr)[:3]  # DDP wraps the compiled unit
+    # two ranks: the training graph is split per gradient bucket (DDP's 25 MiB; 26 MB of tiny's weights need two),
+    # so that each bucket's all-reduce overlaps the backward of the rest; one process keeps one graph (above)
+    assert re.search(r"DDPOptimizer used bucket cap \d+ and created [2-9] buckets", stderr), stderr[-3000:]
     assert all(attempt == 0 for _, attempt, _ in frames), frames
     assert "Weight checksums of the 2 ranks: identical" in stdout  # identical weights despite distinct seeds
 
