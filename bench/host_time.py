@@ -1,0 +1,191 @@
+"""Host time per training step: what each stage's machinery costs when the step's arithmetic is too small to hide it.
+
+  python bench/host_time.py                          # 01, 02, 02-split and 03 on this machine's CPU
+  python bench/host_time.py --runs 01,03 --steps 200 --device cuda
+
+On a GPU the host queues a step's kernels while the GPU runs the previous ones, so the host's own work per step
+(Python, the compiled graphs' wrappers, DDP's and FSDP2's hooks, the collectives' calls) costs nothing until it takes
+longer than the GPU's. At batch 32 GPT-2 small keeps an H100 busy for about 74 ms a step; at batch 8 for about a
+quarter of that, and there the stages part: 02 and 03 at one process ran at 56% and 27% of 01's speed on an H100.
+
+This script measures the host's side alone. Each run is a process of its own (a fresh compiler, a process group of
+one) that builds the stage's own GPTModel with GPT-2 small's 12 blocks, but 64 wide, with a vocabulary of 512 and
+a batch of 2 x 64 tokens, so small that the arithmetic takes a few milliseconds. It wraps the model as the stage does
+and times --steps training steps after --warmup, each with the stage's own calc_loss_batch (compiled as the stage
+compiles it, under its autocast) and fused AdamW; forward with the loss, backward and the optimizer step apart.
+PyTorch runs on one thread, as the host that queues a GPU's kernels does: on a 2-core CPU with two threads, one
+process's median was up to 31% off another's of the same run (2026-11-27), with one thread within 7%. Each run
+is repeated in --repeats processes, taken in turns (01, 02, ..., then 01 again); the table gives the median
+process, with the range of all of them.
+
+  01        one compiled graph of forward and loss
+  02        01 inside DDP at one process: one graph too (02 splits its graph only at two processes or more)
+  02-split  02 with its graph split per gradient bucket, as at two processes or more. DDP's 25 MiB buckets (and
+            the 1 MiB first) are shrunk by the ratio of this model's block to GPT-2 small's, so that it splits
+            as GPT-2 small does: about a graph per block
+  03        FSDP2: every block compiled on its own and sharded (a process group of one: whole shards)
+
+On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
+what each stage's machinery adds. On a GPU (--device cuda) each phase is timed up to a synchronize.
+Exit code 0 with the table; 2 with one line for an unknown run or a device this machine lacks.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import failures  # noqa: E402  (needs the path above)
+from failures import UsageError  # noqa: E402
+
+RUNS = {"01": "01_opt_single_gpu.py", "02": "02_opt_multi_gpu_ddp.py", "02-split": "02_opt_multi_gpu_ddp.py",
+        "03": "03_opt_multi_gpu_fsdp.py"}
+SMALL = {"vocab_size": 512, "context_length": 64, "emb_dim": 64, "n_heads": 4, "n_layers": 12, "drop_rate": 0.1,
+         "qkv_bias": False}
+BATCH = 2
+PHASES = ("forward with loss", "backward", "optimizer step")
+
+
+def block_bytes(stage, cfg):
+    """The float32 bytes of one of the stage's blocks at `cfg` (built on the meta device: no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() * 4 for p in stage.TransformerBlock(cfg).parameters())
+
+
+def measure(run, device_name, steps, warmup, layers, compiled):
+    """One run, in this process: the stage's model, wrapped as the stage wraps it; milliseconds per phase."""
+    import torch
+    import torch.distributed as dist
+    from bench.rungs import load_stage
+
+    stage = load_stage(RUNS[run])
+    if not compiled:
+        torch.compiler.set_stance("force_eager")
+    device = torch.device(device_name)
+    torch.set_num_threads(1)  # the host's one thread (see the docstring)
+    cfg = {**SMALL, "n_layers": layers}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("HOST_TIME_PORT", "29541"), RANK="0",
+                      WORLD_SIZE="1")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    torch._dynamo.config.optimize_ddp = run == "02-split"  # what 02 sets: world_size > 1
+    torch.manual_seed(0)
+    with device:
+        model = stage.GPTModel(cfg)
+    if run == "03":
+        stage.shard_model(model, device, activation_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1, fused=True)
+    trained, notes = model, ""
+    if run.startswith("02"):
+        scale = block_bytes(stage, cfg) / block_bytes(stage, stage.GPT_CONFIG_124M)
+        if run == "02-split":  # DDP's and Dynamo's caps, shrunk alike (Dynamo reads the first bucket's from here)
+            dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES * scale)
+            notes = f"buckets of {25 * scale:.3f} MiB"
+        trained = stage.DDP(stage.ModelWithLoss(model), bucket_cap_mb=25 * scale if run == "02-split" else 25,
+                            gradient_as_bucket_view=True)
+    trained.train()
+    inputs = torch.randint(0, cfg["vocab_size"], (BATCH, cfg["context_length"]))
+    targets = torch.randint(0, cfg["vocab_size"], (BATCH, cfg["context_length"]))
+    times = {phase: [] for phase in PHASES}
+
+    def clock():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    for step in range(warmup + steps):
+        start = clock()
+        optimizer.zero_grad()
+        loss = stage.calc_loss_batch(inputs, targets, trained, device)
+        forward = clock()
+        loss.backward()
+        backward = clock()
+        optimizer.step()
+        end = clock()
+        if step >= warmup:
+            for phase, seconds in zip(PHASES, (forward - start, backward - forward, end - backward)):
+                times[phase].append(seconds * 1000)
+    dist.destroy_process_group()
+    result = {phase: statistics.median(values) for phase, values in times.items()}
+    result["step"] = statistics.median([sum(parts) for parts in zip(*times.values())])
+    return {"run": run, "ms": result, "notes": notes, "torch": torch.__version__}
+
+
+def table(results, args):
+    """The median process of each run (by its step time), with the range of all its processes' step times."""
+    lines = [f"Host time per step, in ms (each process: the median of {args.steps} steps after {args.warmup}; "
+             f"{args.repeats} processes per run), on {args.device}, PyTorch {results[0]['torch']}: the stages' "
+             f"GPTModel with {args.layers} blocks 64 wide, vocabulary {SMALL['vocab_size']}, batch {BATCH} x "
+             f"{SMALL['context_length']} tokens{'' if args.compile else ', eager (--no-compile)'}", "",
+             "| run | step (all processes) | " + " | ".join(PHASES) + " | step / 01's | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    median = {}
+    for run in dict.fromkeys(r["run"] for r in results):
+        processes = sorted((r for r in results if r["run"] == run), key=lambda r: r["ms"]["step"])
+        median[run] = processes[(len(processes) - 1) // 2], [r["ms"]["step"] for r in processes]
+    for run, (middle, steps) in median.items():
+        ratio = f"{middle['ms']['step'] / median['01'][0]['ms']['step']:.2f}" if "01" in median else "n/a"
+        lines.append(f"| {run} | {middle['ms']['step']:.2f} ({min(steps):.2f}-{max(steps):.2f}) | "
+                     + " | ".join(f"{middle['ms'][phase]:.2f}" for phase in PHASES) + f" | {ratio} | "
+                     f"{middle['notes']} |")
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per run (default 100)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps first, untimed: the compilation (default 5)")
+    parser.add_argument("--layers", type=int, default=12, help="blocks (default 12, GPT-2 small's)")
+    parser.add_argument("--repeats", type=int, default=3, help="processes per run, taken in turns (default 3)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="every run eager")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in its own process: prints its JSON
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(args.worker, args.device, args.steps, args.warmup, args.layers, args.compile)))
+        return failures.EXIT_OK
+    runs = [name.strip() for name in args.runs.split(",") if name.strip()]
+    try:
+        if not runs or any(name not in RUNS for name in runs):
+            raise UsageError(f"--runs {args.runs}: the runs are {', '.join(RUNS)}")
+        if min(args.steps, args.layers, args.repeats) < 1 or args.warmup < 0:
+            raise UsageError("--steps, --layers and --repeats take a whole number from 1, --warmup from 0")
+        if args.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise UsageError("--device cuda: this machine's PyTorch sees no CUDA GPU")
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return failures.EXIT_USAGE
+    results = []
+    for turn, run in ((turn, run) for turn in range(args.repeats) for run in runs):
+        print(f"  ... {run} ({turn + 1} of {args.repeats})", file=sys.stderr, flush=True)
+        command = [sys.executable, __file__, "--worker", run, "--device", args.device, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--layers", str(args.layers)] + ([] if args.compile else
+                                                                                 ["--no-compile"])
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            print(f"{run} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
+            return failures.EXIT_FAILED
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(table(results, args))
+    return failures.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(failures.process_done(main()))
