@@ -14,7 +14,7 @@ a batch of 2 x 64 tokens, so small that the arithmetic takes a few milliseconds.
 and times --steps training steps after --warmup, each with the stage's own calc_loss_batch (compiled as the stage
 compiles it, under its autocast) and fused AdamW; forward with the loss, backward and the optimizer step apart.
 PyTorch runs on one thread, as the host that queues a GPU's kernels does: on a 2-core CPU with two threads, one
-process's median was up to 31% off another's of the same run (2026-11-27), with one thread within 7%. Each run
+process's median was up to 31% off another's of the same run (2026-11-27), with one thread within 7% while nothing else ran. Each run
 is repeated in --repeats processes, taken in turns (01, 02, ..., then 01 again); the table gives the median
 process, with the range of all of them.
 
@@ -22,7 +22,7 @@ process, with the range of all of them.
   02        01 inside DDP at one process: one graph too (02 splits its graph only at two processes or more)
   02-split  02 with its graph split per gradient bucket, as at two processes or more. DDP's 25 MiB buckets (and
             the 1 MiB first) are shrunk by the ratio of this model's block to GPT-2 small's, so that it splits
-            as GPT-2 small does: about a graph per block
+            into as many graphs as GPT-2 small does, 14 (the notes give the count from Dynamo's log)
   03        FSDP2: every block compiled on its own and sharded (a process group of one: whole shards)
 
 On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
@@ -32,7 +32,9 @@ Exit code 0 with the table; 2 with one line for an unknown run or a device this 
 
 import argparse
 import json
+import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -62,6 +64,18 @@ def block_bytes(stage, cfg):
         return sum(p.numel() * 4 for p in stage.TransformerBlock(cfg).parameters())
 
 
+class BucketCount(logging.Handler):
+    """The number of buckets, so of graphs, that Dynamo's DDP optimizer split the compiled graph into (its log)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        found = re.search(r"created (\d+) buckets", record.getMessage())
+        self.count += int(found.group(1)) if found else 0
+
+
 def measure(run, device_name, steps, warmup, layers, compiled):
     """One run, in this process: the stage's model, wrapped as the stage wraps it; milliseconds per phase."""
     import torch
@@ -85,11 +99,15 @@ def measure(run, device_name, steps, warmup, layers, compiled):
         stage.shard_model(model, device, activation_checkpointing=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1, fused=True)
     trained, notes = model, ""
+    buckets = BucketCount()
     if run.startswith("02"):
         scale = block_bytes(stage, cfg) / block_bytes(stage, stage.GPT_CONFIG_124M)
         if run == "02-split":  # DDP's and Dynamo's caps, shrunk alike (Dynamo reads the first bucket's from here)
             dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES * scale)
             notes = f"buckets of {25 * scale:.3f} MiB"
+            split_log = logging.getLogger("torch._dynamo.backends.distributed")  # "... created N buckets"
+            split_log.setLevel(logging.INFO)
+            split_log.addHandler(buckets)
         trained = stage.DDP(stage.ModelWithLoss(model), bucket_cap_mb=25 * scale if run == "02-split" else 25,
                             gradient_as_bucket_view=True)
     trained.train()
@@ -115,6 +133,8 @@ def measure(run, device_name, steps, warmup, layers, compiled):
             for phase, seconds in zip(PHASES, (forward - start, backward - forward, end - backward)):
                 times[phase].append(seconds * 1000)
     dist.destroy_process_group()
+    if buckets.count:
+        notes += f": {buckets.count} graphs"
     result = {phase: statistics.median(values) for phase, values in times.items()}
     result["step"] = statistics.median([sum(parts) for parts in zip(*times.values())])
     return {"run": run, "ms": result, "notes": notes, "torch": torch.__version__}
