@@ -57,7 +57,7 @@ def run_01(shared_flags, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_02(shared_flags, tmp_path_factory):
-    # budget: ~100 s: as 01, plus torchrun and NCCL start-up and one compilation per DDP bucket
+    # budget: ~100 s: as 01, plus torchrun and NCCL start-up (01's one graph: one process splits it at no bucket)
     return run_stage("02_opt_multi_gpu_ddp.py", *shared_flags, out=tmp_path_factory.mktemp("run_02"), torchrun=True,
                      env={"TORCH_LOGS": "recompiles,graph_breaks,dynamo,aot_graphs"}, timeout=420)
 
@@ -193,22 +193,23 @@ def test_compiled_steps_attend_with_flashattention_not_cudnn(stage, request, rep
         f"the compiled steps attend with {ops}, not FlashAttention alone")
 
 
-def test_02_compiles_one_graph_per_ddp_bucket_without_graph_breaks(run_02, report):  # budget: none (run_02's log)
+def test_02_at_one_process_compiles_01s_one_graph_without_graph_breaks(run_02, report):  # budget: none (its log)
     breaks = torch_log(run_02.stderr, "graph_breaks", "Graph break in user code")
     frames = [name for _, _, name in traced_frames(run_02.stderr)]
     splits = ddp_bucket_splits(run_02.stderr)
     report(f"02: {len(breaks)} graph-break lines; frames traced: {frames}; graphs split at DDP's buckets "
-           f"(DDPOptimizer), with their number of pieces, one compiled graph each: {splits}")
+           f"(DDPOptimizer), with their number of pieces: {splits} (none expected at one process)")
     assert run_02.returncode == 0, run_02.describe()
+    assert "training_loss" in frames, "TORCH_LOGS=dynamo did not reach the run: no frame traced" + run_02.describe()
     assert not breaks, ("TORCH_LOGS=graph_breaks: Dynamo stopped tracing inside the training step (DDP's Python, "
                         "contextlib...); the compiled unit should be forward plus loss, called through DDP's "
                         "wrapper:\n" + "\n".join(breaks[:60]) + run_02.describe())
     resumed = [name for name in frames if name.startswith("torch_dynamo_resume_in")]
     assert not resumed, f"frames that resume after a graph break: {resumed}" + run_02.describe()
-    assert len(splits) >= 1, (
-        "no 'DDPOptimizer used bucket cap ... and created N buckets' line (TORCH_LOGS=dynamo): the training graph "
-        "was not split at DDP's buckets, so the gradient all-reduce cannot overlap the backward; Dynamo splits it "
-        "when the compiled module runs inside DDP's forward" + run_02.describe())
+    # one process has no other rank's all-reduce to overlap with the backward: 02 keeps 01's one graph there
+    # (optimize_ddp = world_size > 1); the split at two ranks is checked on the CPU (tests/test_speed_habits.py)
+    assert not splits, ("'DDPOptimizer ... created N buckets' (TORCH_LOGS=dynamo): 02 at one process split its "
+                        "training graph at DDP's buckets, which only several processes need" + run_02.describe())
 
 
 def final_validation_loss(run):
@@ -237,19 +238,19 @@ def test_01_learns_like_00(run_00, run_01, report):  # budget: none (the runs' m
 
 
 def test_02_at_world_size_1_learns_like_01(run_01, run_02, report):  # budget: none (the runs' metrics)
-    # The same initial weights, batches, order and learning rate, but not the same dropout masks: 02's compiled graph
-    # is split at DDP's gradient buckets (the test above), and each piece draws its own seeds from the generator
-    # where 01's one graph draws once. After the first step (the log line of step 0) the two must agree closely;
-    # after STEPS steps, as two runs of one stage with other masks do: statistically. The CPU suite shows the exact
-    # math (tests/test_stage02_ddp.py: eager, the same masks, equal weights).
+    # The same initial weights, batches, order and learning rate. At one process 02 runs 01's one compiled graph (the
+    # test above), so its dropout masks may be 01's too; split at DDP's buckets (as at two processes), each piece
+    # drew its own seeds and the runs differed by +0.072% after STEPS steps. After the first step (the log line of
+    # step 0) the two must agree closely; after STEPS steps at least as two runs of one stage with other masks do:
+    # statistically. The CPU suite shows the exact math (tests/test_stage02_ddp.py: eager, equal weights).
     first_01, first_02 = (run.metrics()["log"][0]["val_loss"] for run in (run_01, run_02))
     report(f"fidelity: validation loss after the first step: 01 {first_01:.4f}, 02 at world size 1 {first_02:.4f}: "
            f"{first_02 / first_01 - 1:+.3%} (allowed: {AFTER_THE_FIRST_STEP:.1%})")
     assert abs(first_02 / first_01 - 1) <= AFTER_THE_FIRST_STEP, (
         "02 starts from other weights or batches than 01, or steps otherwise")
     compare_validation_losses(run_01, run_02, ("01", "02 at world size 1"), AFTER_THE_RUN, report,
-                              "other dropout masks (the graph split at DDP's buckets) make the runs agree "
-                              "statistically, as 00 and 01 do")
+                              "dropout masks that may differ make the runs agree at least statistically, as 00 "
+                              "and 01 do")
 
 
 def test_03_at_world_size_1_learns_like_02(run_02, run_03, report):  # budget: none (the runs' metrics)
