@@ -5,8 +5,8 @@
 
 On a GPU the host queues a step's kernels while the GPU runs the previous ones, so the host's own work per step
 (Python, the compiled graphs' wrappers, DDP's and FSDP2's hooks, the collectives' calls) costs nothing until it takes
-longer than the GPU's. At batch 32 GPT-2 small keeps an H100 busy for about 74 ms a step; at batch 8 for about a
-quarter of that, and there the stages part: 02 and 03 at one process ran at 56% and 27% of 01's speed on an H100.
+longer than the GPU's. On an H100, a step of 01 at batch 32 took about 74 ms, and at batch 8 about 26 ms: there the
+stages parted, 02 and 03 at one process running at 56% and 27% of 01's speed (02 with its graph split, then).
 
 This script measures the host's side alone. Each run is a process of its own (a fresh compiler, a process group of
 one) that builds the stage's own GPTModel with GPT-2 small's 12 blocks, but 64 wide, with a vocabulary of 512 and
@@ -101,15 +101,16 @@ def measure(run, device_name, steps, warmup, layers, compiled):
     trained, notes = model, ""
     buckets = BucketCount()
     if run.startswith("02"):
-        scale = block_bytes(stage, cfg) / block_bytes(stage, stage.GPT_CONFIG_124M)
+        cap_mb = 25  # DDP's default bucket
         if run == "02-split":  # DDP's and Dynamo's caps, shrunk alike (Dynamo reads the first bucket's from here)
+            scale = block_bytes(stage, cfg) / block_bytes(stage, stage.GPT_CONFIG_124M)
+            cap_mb *= scale
             dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES * scale)
-            notes = f"buckets of {25 * scale:.3f} MiB"
+            notes = f"buckets of {cap_mb:.3f} MiB"
             split_log = logging.getLogger("torch._dynamo.backends.distributed")  # "... created N buckets"
             split_log.setLevel(logging.INFO)
             split_log.addHandler(buckets)
-        trained = stage.DDP(stage.ModelWithLoss(model), bucket_cap_mb=25 * scale if run == "02-split" else 25,
-                            gradient_as_bucket_view=True)
+        trained = stage.DDP(stage.ModelWithLoss(model), bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
     trained.train()
     inputs = torch.randint(0, cfg["vocab_size"], (BATCH, cfg["context_length"]))
     targets = torch.randint(0, cfg["vocab_size"], (BATCH, cfg["context_length"]))
