@@ -429,9 +429,9 @@ def main():
     devices.apply_fallbacks(device)  # NEW (steps 3-5, 8): on Apple's MPS, what cannot run falls back (a line each)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], fused=devices.has_fused(device))  # NEW (step 3)
-    # NEW (DDP): every process holds a replica; backward averages the gradients across all of them, a bucket at a time.
+    # NEW (DDP): every process holds a replica; backward averages the gradients across all of them, bucket by bucket.
     # With 2+ processes the compiled graph is split at the buckets, so each bucket's all-reduce overlaps the backward
-    torch._dynamo.config.optimize_ddp = world_size > 1  # one process has nothing to overlap: 01's graph, whole
+    torch._dynamo.config.optimize_ddp = world_size > 1  # one process has nothing to overlap: 01's single graph
     ddp_model = DDP(ModelWithLoss(model), device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)  # the gradients live in the all-reduce buckets: no copy (0.61 GiB)
     num_params = sum(p.numel() for p in model.parameters())

@@ -14,9 +14,9 @@ a batch of 2 x 64 tokens, so small that the arithmetic takes a few milliseconds.
 and times --steps training steps after --warmup, each with the stage's own calc_loss_batch (compiled as the stage
 compiles it, under its autocast) and fused AdamW; forward with the loss, backward and the optimizer step apart.
 PyTorch runs on one thread, as the host that queues a GPU's kernels does: on a 2-core CPU with two threads, one
-process's median was up to 31% off another's of the same run (2026-11-27), with one thread within 7% while nothing else ran. Each run
-is repeated in --repeats processes, taken in turns (01, 02, ..., then 01 again); the table gives the median
-process, with the range of all of them.
+process's median was up to 31% off another's of the same run (2026-11-27), with one thread up to 14%. Each run is
+repeated in --repeats processes, taken in turns (01, 02, ..., then 01 again); the table gives the median process,
+with the range of all of them.
 
   01        one compiled graph of forward and loss
   02        01 inside DDP at one process: one graph too (02 splits its graph only at two processes or more)
@@ -73,7 +73,7 @@ class BucketCount(logging.Handler):
 
     def emit(self, record):
         found = re.search(r"created (\d+) buckets", record.getMessage())
-        self.count += int(found.group(1)) if found else 0
+        self.count = int(found.group(1)) if found else self.count  # the last split (a recompile splits again)
 
 
 def measure(run, device_name, steps, warmup, layers, compiled):
@@ -91,7 +91,7 @@ def measure(run, device_name, steps, warmup, layers, compiled):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("HOST_TIME_PORT", "29541"), RANK="0",
                       WORLD_SIZE="1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    torch._dynamo.config.optimize_ddp = run == "02-split"  # what 02 sets: world_size > 1
+    torch._dynamo.config.optimize_ddp = run == "02-split"  # 02 sets world_size > 1; 02-split plays two processes
     torch.manual_seed(0)
     with device:
         model = stage.GPTModel(cfg)
@@ -106,7 +106,7 @@ def measure(run, device_name, steps, warmup, layers, compiled):
             scale = block_bytes(stage, cfg) / block_bytes(stage, stage.GPT_CONFIG_124M)
             cap_mb *= scale
             dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES * scale)
-            notes = f"buckets of {cap_mb:.3f} MiB"
+            notes = f"buckets of {cap_mb:.3f} MiB" + ("" if compiled else ", eager: no graph to split")
             split_log = logging.getLogger("torch._dynamo.backends.distributed")  # "... created N buckets"
             split_log.setLevel(logging.INFO)
             split_log.addHandler(buckets)
