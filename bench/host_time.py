@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import failures  # noqa: E402  (needs the path above)
+import devices  # noqa: E402  (needs the path above)
+import failures  # noqa: E402
 from failures import UsageError  # noqa: E402
 
 RUNS = {"01": "01_opt_single_gpu.py", "02": "02_opt_multi_gpu_ddp.py", "02-split": "02_opt_multi_gpu_ddp.py",
@@ -88,8 +89,7 @@ def measure(run, device_name, steps, warmup, layers, compiled):
     device = torch.device(device_name)
     torch.set_num_threads(1)  # the host's one thread (see the docstring)
     cfg = {**SMALL, "n_layers": layers}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("HOST_TIME_PORT", "29541"), RANK="0",
-                      WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(devices.free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     torch._dynamo.config.optimize_ddp = run == "02-split"  # 02 sets world_size > 1; 02-split plays two processes
     torch.manual_seed(0)
