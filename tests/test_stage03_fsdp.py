@@ -30,6 +30,7 @@ import failures
 import sharding
 import utilization
 from conftest import ROOT, check_wall_clock, load_stage
+from support import gradient_check
 from support.sitecustomize import FORCE_PRECISION
 from test_speed_habits import (check_the_probe_of_breaks_and_recompiles, compiled_frames, float32_logits_bytes,
                                 largest_allocation)
@@ -365,6 +366,24 @@ def test_activation_checkpointing_lowers_peak_memory_and_keeps_the_gradients(sta
     assert names == list(plain["gradients"])
     for name, gradient in zip(names, recomputed["gradients"].values()):
         torch.testing.assert_close(gradient, plain["gradients"][name], rtol=0, atol=0, msg=name)
+
+
+def test_a_compiled_checkpointed_block_differentiates_the_dropout_its_forward_drew(stage03):
+    """03 --activation-checkpointing compiles checkpointed blocks: Inductor keeps each dropout mask's seed, not the
+    mask, and draws the mask again in the backward. The backward must then be the gradient of the forward that ran:
+    checked along a random direction of the weights, in float32 (support/gradient_check.py; the GPU tier runs the
+    same check at GPT-2 small's shapes, where pytorch/pytorch#198333 can break it on PyTorch 2.13+)."""
+    torch.manual_seed(0)
+    block = checkpoint_wrapper(stage03.TransformerBlock(stage03.TINY_CONFIG))  # dropout 0.1, as in 03
+    block.compile()  # as shard_model does, without the sharding (one process: nothing to shard)
+    inputs = torch.randn(2, TINY_CONTEXT, stage03.TINY_CONFIG["emb_dim"])
+    weights_of_output = torch.randn(inputs.shape)
+    error, control = gradient_check.relative_errors(lambda: (block(inputs) * weights_of_output).sum(),
+                                                    list(block.parameters()), eps=0.1)
+    torch._dynamo.reset()
+    print(f"g . v against the central difference: {error:.1e} with the forward's masks, {control:.2f} with others")
+    assert control > 0.05, "other masks do not move the derivative: the check could not fail"  # measured: 0.15
+    assert error < 0.01, "the backward regenerated other dropout masks than its forward drew"  # measured: 1e-5
 
 
 def test_hardware_flops_count_the_recomputed_forward(stage03):

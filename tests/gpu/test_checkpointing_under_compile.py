@@ -12,8 +12,13 @@ with PyTorch 2.11 their forwards differed by 9.5e-2, as much as two seeds do. Th
 with `fallback_random` (Inductor draws through PyTorch's own random ops, the same in both graphs), checks that the
 two forwards agree, and only then compares the gradients: so a difference is the recomputation's, not the graphs'.
 
-Budget on one H100: about 1 minute 30 s for this file: one block compiled three times (~40 s), and two --tiny runs
-of 03 under torchrun (~25 s each).
+The last two tests compile the way the stages do, with Inductor's own random numbers, and ask of each graph alone
+whether its backward is the gradient of the forward that ran (tests/support/gradient_check.py): 03's checkpointed
+block, whose backward draws the masks again from their seeds, and 01's whole training graph. pytorch/pytorch#198333
+reports that since PyTorch 2.13 Inductor on CUDA may draw a mask again with another formula than the forward's.
+
+Budget on one H100: about 2 minutes 30 s for this file: one block compiled four times (~55 s), 01's graph at two
+layers (~30 s), and two --tiny runs of 03 under torchrun (~25 s each).
 """
 
 import pytest
@@ -23,7 +28,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from conftest import load_stage
 from gpu.stage_runs import log_entries, run_stage
+from support import gradient_check
 
+STAGE_01 = load_stage("01_opt_single_gpu.py")
 STAGE_03 = load_stage("03_opt_multi_gpu_fsdp.py")
 CONFIG = STAGE_03.GPT_CONFIG_124M  # one block of GPT-2 small, at 01's context: FlashAttention's real shapes
 STEPS = 20
@@ -73,6 +80,48 @@ def test_a_checkpointed_compiled_block_recomputes_the_same_dropout(report, monke
     assert replayed < 0.05 * control, (
         "the recomputed forward drew other dropout masks than the forward did: the backward of a checkpointed "
         "block computes the gradient of another network")
+
+
+@pytest.fixture
+def float32_matmuls():
+    """Float32 without TF32, for the check's central differences: rounding well under what other masks change."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_float32_matmul_precision(before)
+
+
+def test_03s_checkpointed_block_as_compiled_differentiates_the_dropout_its_forward_drew(report, float32_matmuls):
+    # budget: ~15 s: one block compiled once, one backward and four forwards
+    torch.manual_seed(0)
+    block = checkpoint_wrapper(STAGE_03.TransformerBlock(CONFIG)).cuda()
+    block.compile()  # as 03's shard_model does, without the sharding
+    inputs = torch.randn(2, CONFIG["context_length"], CONFIG["emb_dim"], device="cuda")
+    weights_of_output = torch.randn(inputs.shape, device="cuda")
+    error, control = gradient_check.relative_errors(lambda: (block(inputs) * weights_of_output).sum(),
+                                                    list(block.parameters()), eps=0.1)
+    report(f"03's checkpointed block, compiled (Inductor's random numbers), float32, dropout {CONFIG['drop_rate']}: "
+           f"g . v {error:.1e} from the central difference with the forward's masks, {control:.2f} with others "
+           f"(PyTorch {torch.__version__})")
+    assert control > 0.05, "other masks do not move the derivative: the check could not fail"
+    assert error < 0.01, ("the backward drew other dropout masks than its forward: a checkpointed block learns the "
+                          "gradient of another network (see pytorch/pytorch#198333)")  # on a CPU: 1e-4
+
+
+def test_01s_training_graph_differentiates_the_dropout_its_forward_drew(report, float32_matmuls):
+    # budget: ~30 s: 01's graph at GPT-2 small's width and context with two layers, compiled once
+    cfg = {**STAGE_01.GPT_CONFIG_124M, "n_layers": 2}
+    torch.manual_seed(0)
+    model = STAGE_01.GPTModel(cfg).cuda()
+    tokens = torch.randint(0, 50257, (2, cfg["context_length"] + 1), device="cuda")
+    error, control = gradient_check.relative_errors(
+        lambda: STAGE_01.training_loss(model, tokens[:, :-1], tokens[:, 1:]), list(model.parameters()), eps=3.0)
+    report(f"01's training graph (2 layers of GPT-2 small), compiled, float32: g . v {error:.1e} from the central "
+           f"difference with the forward's masks, {control:.2f} with others")
+    assert control > 0.05, "other masks do not move the derivative: the check could not fail"
+    assert error < 0.02, "01's backward is not the gradient of the forward that ran"  # CPU: 1e-3 to 3e-3
 
 
 def test_03_learns_the_same_with_and_without_activation_checkpointing(tmp_path, report):
