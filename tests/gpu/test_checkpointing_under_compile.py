@@ -12,20 +12,23 @@ with PyTorch 2.11 their forwards differed by 9.5e-2, as much as two seeds do. Th
 with `fallback_random` (Inductor draws through PyTorch's own random ops, the same in both graphs), checks that the
 two forwards agree, and only then compares the gradients: so a difference is the recomputation's, not the graphs'.
 
-The last two tests compile the way the stages do, with Inductor's own random numbers, and ask of each graph alone
-whether its backward is the gradient of the forward that ran (tests/support/gradient_check.py): 03's checkpointed
-block, whose backward draws the masks again from their seeds, and 01's whole training graph. pytorch/pytorch#198333
-reports that since PyTorch 2.13 Inductor on CUDA may draw a mask again with another formula than the forward's.
+The tests of the gradient check compile the way the stages do, with Inductor's own random numbers, and ask of each
+graph alone whether its backward is the gradient of the forward that ran (tests/support/gradient_check.py): 03's
+checkpointed block, whose backward draws the masks again from their seeds, and 01's whole training graph, which keeps
+its masks (and draws them again under the ladder's --option memory-budget). pytorch/pytorch#198333 reports that since
+PyTorch 2.13 Inductor on CUDA may draw a mask again with another formula than the forward's.
 
-Budget on one H100: about 2 minutes 30 s for this file: one block compiled four times (~55 s), 01's graph at two
-layers (~30 s), and two --tiny runs of 03 under torchrun (~25 s each).
+Budget on one H100: about 3 minutes for this file: one block compiled four times (~55 s), 01's graph at two layers
+twice (~30 s each), and two --tiny runs of 03 under torchrun (~25 s each).
 """
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from bench.rungs import MEMORY_BUDGET
 from conftest import load_stage
 from gpu.stage_runs import log_entries, run_stage
 from support import gradient_check
@@ -110,18 +113,24 @@ def test_03s_checkpointed_block_as_compiled_differentiates_the_dropout_its_forwa
                           "gradient of another network (see pytorch/pytorch#198333)")  # on a CPU: 1e-4
 
 
-def test_01s_training_graph_differentiates_the_dropout_its_forward_drew(report, float32_matmuls):
-    # budget: ~30 s: 01's graph at GPT-2 small's width and context with two layers, compiled once
+@pytest.mark.parametrize("memory_budget", [None, MEMORY_BUDGET], ids=["01", "01-memory-budget"])
+def test_01s_training_graph_differentiates_the_dropout_its_forward_drew(memory_budget, report, float32_matmuls,
+                                                                         monkeypatch):
+    # budget: ~30 s each: 01's graph at GPT-2 small's width and context with two layers, compiled once. 01 keeps
+    # its masks for the backward; under the ladder's --option memory-budget the backward draws them again
+    if memory_budget is not None:
+        monkeypatch.setattr(functorch_config, "activation_memory_budget", memory_budget)
     cfg = {**STAGE_01.GPT_CONFIG_124M, "n_layers": 2}
     torch.manual_seed(0)
     model = STAGE_01.GPTModel(cfg).cuda()
     tokens = torch.randint(0, 50257, (2, cfg["context_length"] + 1), device="cuda")
     error, control = gradient_check.relative_errors(
         lambda: STAGE_01.training_loss(model, tokens[:, :-1], tokens[:, 1:]), list(model.parameters()), eps=3.0)
-    report(f"01's training graph (2 layers of GPT-2 small), compiled, float32: g . v {error:.1e} from the central "
-           f"difference with the forward's masks, {control:.2f} with others")
+    setting = "" if memory_budget is None else f", activation_memory_budget {memory_budget}"
+    report(f"01's training graph (2 layers of GPT-2 small), compiled{setting}, float32: g . v {error:.1e} from the "
+           f"central difference with the forward's masks, {control:.2f} with others")
     assert control > 0.05, "other masks do not move the derivative: the check could not fail"
-    assert error < 0.02, "01's backward is not the gradient of the forward that ran"  # CPU: 1e-3 to 3e-3
+    assert error < 0.02, "01's backward is not the gradient of the forward that ran"  # on a CPU: 1e-3 to 3e-3
 
 
 def test_03_learns_the_same_with_and_without_activation_checkpointing(tmp_path, report):
