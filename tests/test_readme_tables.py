@@ -28,8 +28,8 @@ def stage_row(name, speed):
 
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
-    """A results folder as a GPU session leaves it: the ladder's rows, and the stages' rows from bench/stages.py
-    itself (its runs faked)."""
+    """A results folder as a GPU machine's commands leave it: the ladder's rows, and the stages' rows from
+    bench/stages.py itself (its runs faked)."""
     out = tmp_path / "nvidia-x"
     write_rows(out, hand_made_rows(SPEEDS))
     speeds = {"00": 20_500.0, "01-cold": 301_000.0, "01-warm": 303_000.0, "02": 299_000.0}

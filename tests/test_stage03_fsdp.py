@@ -370,20 +370,24 @@ def test_activation_checkpointing_lowers_peak_memory_and_keeps_the_gradients(sta
 
 def test_a_compiled_checkpointed_block_differentiates_the_dropout_its_forward_drew(stage03):
     """03 --activation-checkpointing compiles checkpointed blocks: Inductor keeps each dropout mask's seed, not the
-    mask, and draws the mask again in the backward. The backward must then be the gradient of the forward that ran:
-    checked along a random direction of the weights, in float32 (support/gradient_check.py; the GPU tier runs the
-    same check at GPT-2 small's shapes, where pytorch/pytorch#198333 can break it on PyTorch 2.13+)."""
+    mask, and draws the mask again in the backward (on this CPU, Dynamo's aot_graphs log shows the draws in the
+    backward graph). The backward must then be the gradient of the forward that ran: checked along a random
+    direction of the weights, in float32 (support/gradient_check.py; the GPU tier runs the same check at GPT-2
+    small's shapes, which checks whether pytorch/pytorch#198333 affects it on PyTorch 2.13+)."""
     torch.manual_seed(0)
     block = checkpoint_wrapper(stage03.TransformerBlock(stage03.TINY_CONFIG))  # dropout 0.1, as in 03
     block.compile()  # as shard_model does, without the sharding (one process: nothing to shard)
     inputs = torch.randn(2, TINY_CONTEXT, stage03.TINY_CONFIG["emb_dim"])
     weights_of_output = torch.randn(inputs.shape)
-    error, control = gradient_check.relative_errors(lambda: (block(inputs) * weights_of_output).sum(),
-                                                    list(block.parameters()), eps=0.1)
-    torch._dynamo.reset()
+    try:
+        error, control = gradient_check.relative_errors(lambda: (block(inputs) * weights_of_output).sum(),
+                                                        list(block.parameters()), eps=0.1)
+    finally:
+        torch._dynamo.reset()
     print(f"g . v against the central difference: {error:.1e} with the forward's masks, {control:.2f} with others")
-    assert control > 0.05, "other masks do not move the derivative: the check could not fail"  # measured: 0.15
-    assert error < 0.01, "the backward regenerated other dropout masks than its forward drew"  # measured: 1e-5
+    # measured with PyTorch 2.14.1 (2-core CPU, 2026-11-27): error 1e-5 to 4e-4, control 0.15 to 0.88
+    assert control > 0.05, "other masks do not move the derivative: the check could not fail"
+    assert error < 0.01, "the backward drew other dropout masks than its forward drew"
 
 
 def test_hardware_flops_count_the_recomputed_forward(stage03):
