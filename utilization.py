@@ -109,7 +109,7 @@ def counted_flops_per_token(build_model, context_length):
     flops_per_token's formula (the tests count every stage and model size; runs use the formula and count nothing).
 
     The model is built on the meta device, so nothing is allocated or computed: a CPU counts the full-size
-    model in about 0.3 s. Like the formula, the counter sees only matrix multiplications (no embedding
+    model in well under a second. Like the formula, the counter sees only matrix multiplications (no embedding
     lookups, norms or elementwise work); on the meta device attention runs its math path, so the scores are
     counted in full, as the formula counts them (causal FlashAttention skips about half of that work).
     """

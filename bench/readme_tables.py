@@ -119,7 +119,7 @@ def ladder_paragraph(ladder, folder):
         f"{ladder['torch']}, CUDA {ladder.get('cuda') or 'n/a'}, driver {ladder.get('driver') or 'n/a'}, "
         f"{measured_dates(ladder['rungs'])}, by `bench/ladder.py` into `{report.repository_path(folder)}/` (its "
         "`ladder.md` gives each row's spread, MFU, ceiling and the commands). Each cell: the median tok/s of the timed "
-        "steps, the peak reserved GiB of the run and, in brackets, the speed-up over the step above."]
+        "steps, the peak reserved GiB after the warm-up and, in brackets, the speed-up over the step above."]
     if 0 in measured and 10 in measured:
         mfu = measured[10].get("mfu")
         sentences.append(f"All ten steps: {measured[10]['tokens_per_sec'] / measured[0]['tokens_per_sec']:.2f}× "

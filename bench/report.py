@@ -390,8 +390,10 @@ def render_markdown(report):
         "MFU: per GPU, against the dense peak of the rung's precision (fp32, TF32 from rung 2 on Ampere and "
         "newer, bf16 from rung 5, fp16 on compute capability 7.x), FLOPs per token for the 50,257-token "
         "vocabulary; none on a CPU. Memory: "
-        "`torch.cuda.max_memory_allocated/reserved` of the whole run (rungs 11 and 12: the stage's rank 0); none "
-        "on a CPU. Final loss: the last measured step's training loss (rungs 11 and 12: the stage's evaluation at "
+        "the allocator's peaks (`torch.cuda.max_memory_allocated/reserved`) over the timed steps, counted from the "
+        "end of the warm-up, where the counters are reset; in brackets, the warm-up's reserved peak (compilation "
+        "included); a row without brackets kept one peak for its whole run (rungs 11 and 12: the stage's rank 0, "
+        "after its first log interval); none on a CPU. Final loss: the last measured step's training loss (rungs 11 and 12: the stage's evaluation at "
         "its last step).",
         "",
     ]
