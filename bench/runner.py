@@ -311,7 +311,29 @@ def failure_from_output(code, tail, timeout, limit="--rung-timeout"):
     lines = [line.strip() for line in tail if re.search(r"\w", line)]
     errors = [line for line in lines if ERROR_LINE.search(line)]
     last = (errors or lines or [""])[-1]
-    return f"exited with code {code}" + (f": {last[:120]}" if last else "")
+    return exit_description(code) + (f": {last[:120]}" if last else "")
+
+
+def exit_description(code):
+    """A child's exit code in words: a negative code is the signal that ended it (subprocess's convention)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    oom = (", on Linux most often the out-of-memory killer: the run outgrew the machine's RAM" if name == "SIGKILL"
+           else "")
+    return f"killed by {name} (exit code {code}{oom})"
+
+
+def cpu_note(device_info, tiny):
+    """The line a full-size ladder on a CPU prints first, as the stages do; None elsewhere."""
+    if device_info["device_type"] != "cpu" or tiny:
+        return None
+    return ("Note: full-size rungs on a CPU take seconds to minutes a step, and the eager ones at batch 8 can outgrow "
+            "a machine's RAM (the system then kills them: SIGKILL in the row); add --tiny for the stages' small "
+            "model, every rung in a few minutes.")
 
 
 def timed_out(timeout, limit):

@@ -212,6 +212,18 @@ def test_a_failed_scripts_row_quotes_its_error_not_torchruns_summary():
     assert quoted == "exited with code 1: torch.OutOfMemoryError: CUDA out of memory."
     assert runner.failure_from_output(2, ["Data: ...", "error: no such file", "-" * 60], 60).endswith("no such file")
     assert runner.failure_from_output(None, [], 60) == "timed out after 60 s (--rung-timeout)"
+    # a run the system killed (a full-size rung on a CPU outgrew its RAM): the signal named, not "code -9"
+    killed = runner.failure_from_output(-9, ["... warming up (42 s since start)"], 60)
+    assert killed.startswith("killed by SIGKILL (exit code -9") and "out-of-memory" in killed, killed
+    assert runner.failure_from_output(-15, [], 60).startswith("killed by SIGTERM (exit code -15)")
+
+
+def test_a_full_size_ladder_on_a_cpu_says_so_up_front():
+    cpu = {"device_type": "cpu", "gpu_count": 0}
+    note = runner.cpu_note(cpu, tiny=False)
+    assert note.startswith("Note:") and "--tiny" in note and "RAM" in note
+    assert runner.cpu_note(cpu, tiny=True) is None
+    assert runner.cpu_note({"device_type": "cuda", "gpu_count": 1}, tiny=False) is None
 
 
 def test_a_rung_whose_windows_differ_twice_or_more_is_called_unsteady():
