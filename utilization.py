@@ -50,6 +50,14 @@ def peak_row(name):
     return next((row for row in PEAK_TFLOPS if re.search(row[0], name, re.IGNORECASE)), None)
 
 
+def readable_gpu_name(pattern):
+    """A name a person can type for a row of PEAK_TFLOPS ("A100.*PCIe": "A100 PCIe"); None where the pattern has
+    no single such name or the name would pick another row."""
+    name = pattern.replace(r"\b", "").replace(".*", " ").replace(" ?", " ")
+    row = None if re.search(r"[.*()|?]", name) else peak_row(name)
+    return name if row is not None and row[0] == pattern else None
+
+
 def _peak_tflops(device, precision):
     """(TFLOP/s or None, why there is none) for one GPU like `device`."""
     import torch

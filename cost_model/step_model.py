@@ -175,18 +175,10 @@ BANDWIDTH_GB_PER_S = {
 }
 
 
-def readable_gpu_name(pattern):
-    """A name that --gpu takes for a row of utilization.PEAK_TFLOPS ("A100.*PCIe": "A100 PCIe"); None where the
-    pattern has no single such name or the name would pick another row."""
-    name = pattern.replace(r"\b", "").replace(".*", " ").replace(" ?", " ")
-    row = None if re.search(r"[.*()|?]", name) else utilization.peak_row(name)
-    return name if row is not None and row[0] == pattern else None
-
-
 def find_gpu(name):
     row = utilization.peak_row(name)
     if row is None:
-        readable = [readable_gpu_name(pattern) for pattern, _ in utilization.PEAK_TFLOPS]
+        readable = [utilization.readable_gpu_name(pattern) for pattern, _ in utilization.PEAK_TFLOPS]
         known = ", ".join(dict.fromkeys(gpu for gpu in readable if gpu))
         raise failures.UsageError(f"--gpu {name}: not in the peak table (utilization.PEAK_TFLOPS); known: {known}")
     pattern, tflops = row

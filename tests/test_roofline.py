@@ -245,7 +245,7 @@ def test_an_unknown_gpu_exits_2_with_one_line(tmp_path):
     assert {"A100 PCIe", "A100 40 GB", "V100 PCIE", "H100"} <= set(known), known
     for name in known:
         assert utilization.peak_row(name) == next(row for row in utilization.PEAK_TFLOPS
-                                                 if step_model.readable_gpu_name(row[0]) == name), name
+                                                 if utilization.readable_gpu_name(row[0]) == name), name
 
 
 def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
