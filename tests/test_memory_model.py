@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import aten_dtypes
 
+import devices
 from bench import rungs
 from cost_model import memory_model, step_model
 
@@ -76,24 +77,28 @@ def test_the_peak_model_adds_states_and_saved_and_the_logits_gradient_only_witho
 def test_the_backward_writes_the_logits_gradient_over_the_saved_logits():
     """What the peak model assumes, read in the code Inductor generates for 01's compiled step (tiny model, CPU):
     the backward takes the saved logits' buffer for their gradient (AOTAutograd's donated buffers) instead of
-    allocating one more tensor of that size."""
+    allocating one more tensor of that size. The step is 01's --tiny training step at its own batch and at the
+    precision 01 takes on this CPU, so its kernels are those the suite's compiled runs of 01 build: the compile
+    cache shares them (a cold compile of its own cost this test 20-30 s of CPU)."""
     from torch._inductor.utils import run_and_get_code
 
     stage = rungs.load_stage(rungs.STAGE_01)
-    cfg = {**stage.TINY_CONFIG, "vocab_size": 1000}  # a vocabulary no other dimension shares
+    cfg = stage.TINY_CONFIG  # its vocabulary (50,304) is a dimension no other shares
     model = stage.GPTModel(cfg)
-    tokens = torch.randint(0, 1000, (4, cfg["context_length"]))
+    tokens = torch.randint(0, 50257, (stage.TINY_SETTINGS["batch_size"], cfg["context_length"]))
+    dtype = devices.autocast_dtype(torch.device("cpu"))  # bf16 where the CPU computes in it, else float32
     torch._dynamo.reset()
-    step = torch.compile(stage.forward_and_loss)
+    step = torch.compile(stage.training_loss.__wrapped__)  # 01's function, without its own compiled wrapper
 
     def training_step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = step(model, tokens, tokens)
         loss.backward()
 
     _, (forward, backward) = run_and_get_code(training_step)
     torch._dynamo.reset()
-    logits = re.findall(rf"(\w+) = rand_strided\(\({4 * cfg['context_length']}, 1000\)", backward)
+    rows = stage.TINY_SETTINGS["batch_size"] * cfg["context_length"]
+    logits = re.findall(rf"(\w+) = rand_strided\(\({rows}, {cfg['vocab_size']}\)", backward)
     assert logits, "the backward received no saved logits"
     assert any(re.search(rf"= {name}; del {name}  # reuse", backward) for name in logits), logits
 
