@@ -327,13 +327,12 @@ def exit_description(code):
     return f"killed by {name} (exit code {code}{oom})"
 
 
-def cpu_note(device_info, tiny):
-    """The line a full-size ladder on a CPU prints first, as the stages do; None elsewhere."""
+def cpu_note(device_info, tiny, runs="rungs"):
+    """The line a full-size ladder or set of stage runs on a CPU prints first, as the stages do; None elsewhere."""
     if device_info["device_type"] != "cpu" or tiny:
         return None
-    return ("Note: full-size rungs on a CPU take seconds to minutes a step, and the eager ones at batch 8 can outgrow "
-            "a machine's RAM (the system then kills them: SIGKILL in the row); add --tiny for the stages' small "
-            "model, every rung in a few minutes.")
+    return (f"Note: full-size {runs} on a CPU take seconds to minutes a step and can outgrow its RAM (the system "
+            f"then kills them: SIGKILL in the row); add --tiny for the stages' small model, all in a few minutes.")
 
 
 def timed_out(timeout, limit):

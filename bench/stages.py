@@ -47,7 +47,7 @@ import failures
 import timekeeping
 from bench import rows  # noqa: E402
 from bench.rows import MISSING  # noqa: E402
-from bench.runner import (SINGLE_NODE_TORCHRUN, Stopped, describe_device, drop_checkpoints,  # noqa: E402
+from bench.runner import (SINGLE_NODE_TORCHRUN, Stopped, cpu_note, describe_device, drop_checkpoints,  # noqa: E402
                           failure_from_output, git_revision, nvidia_driver, run_streaming, start_run_folder,
                           stop_on_signals)
 from data import files  # noqa: E402
@@ -267,6 +267,8 @@ def main(argv=None):
                 print(f"--runs missing: nothing left to run: {out / rows.FOLDER} holds every run")
                 return failures.EXIT_OK
         (out / "logs").mkdir(parents=True, exist_ok=True)
+        if cpu_note(device_info, args.tiny, runs="stage runs"):
+            print(cpu_note(device_info, args.tiny, runs="stage runs"), flush=True)
     except failures.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return failures.EXIT_USAGE

@@ -221,7 +221,8 @@ def test_a_failed_scripts_row_quotes_its_error_not_torchruns_summary():
 def test_a_full_size_ladder_on_a_cpu_says_so_up_front():
     cpu = {"device_type": "cpu", "gpu_count": 0}
     note = runner.cpu_note(cpu, tiny=False)
-    assert note.startswith("Note:") and "--tiny" in note and "RAM" in note
+    assert note.startswith("Note: full-size rungs") and "--tiny" in note and "RAM" in note
+    assert runner.cpu_note(cpu, tiny=False, runs="stage runs").startswith("Note: full-size stage runs on a CPU")
     assert runner.cpu_note(cpu, tiny=True) is None
     assert runner.cpu_note({"device_type": "cuda", "gpu_count": 1}, tiny=False) is None
 
