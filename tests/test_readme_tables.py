@@ -35,8 +35,8 @@ def folder(tmp_path, monkeypatch):
     speeds = {"00": 20_500.0, "01-cold": 301_000.0, "01-warm": 303_000.0, "02": 299_000.0}
     monkeypatch.setattr(stages, "measure", lambda name, args, where: stage_row(name, speeds[name]))
     monkeypatch.setattr(stages, "describe_device", lambda args: {
-        "description": "NVIDIA X (compute capability 9.0)", "name": "NVIDIA X", "torch": "2.9.0", "cuda": "12.8",
-        "python": "3.12", "slug": "nvidia-x"})
+        "device_type": "cuda", "description": "NVIDIA X (compute capability 9.0)", "name": "NVIDIA X", "torch": "2.9.0",
+        "cuda": "12.8", "python": "3.12", "slug": "nvidia-x"})
     assert stages.main(["--out", str(out / "stages")]) == 0
     return out
 
