@@ -51,9 +51,10 @@ def peak_row(name):
 
 
 def readable_gpu_name(pattern):
-    """A name a person can type for a row of PEAK_TFLOPS ("A100.*PCIe": "A100 PCIe"); None where the pattern has
-    no single such name or the name would pick another row."""
-    name = pattern.replace(r"\b", "").replace(".*", " ").replace(" ?", " ")
+    """A name a person can type for a row of PEAK_TFLOPS ("A100.*PCIe": "A100 PCIe"; of "(a|b)", a); None where the
+    pattern has no such name or the name would pick another row."""
+    name = re.sub(r"\(([^()|]*)\|[^()]*\)", r"\1", pattern)  # an alternation: its first branch
+    name = name.replace(r"\b", "").replace(".*", " ").replace(" ?", " ")
     row = None if re.search(r"[.*()|?]", name) else peak_row(name)
     return name if row is not None and row[0] == pattern else None
 

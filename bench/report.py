@@ -389,12 +389,11 @@ def render_markdown(report):
         "this table, which the cell names (with a subset of rungs, not always the rung just before). "
         "MFU: per GPU, against the dense peak of the rung's precision (fp32, TF32 from rung 2 on Ampere and "
         "newer, bf16 from rung 5, fp16 on compute capability 7.x), FLOPs per token for the 50,257-token "
-        "vocabulary; none on a CPU. Memory: "
-        "the allocator's peaks (`torch.cuda.max_memory_allocated/reserved`) over the timed steps, counted from the "
-        "end of the warm-up, where the counters are reset; in brackets, the warm-up's reserved peak (compilation "
-        "included); a row without brackets kept one peak for its whole run (rungs 11 and 12: the stage's rank 0, "
-        "after its first log interval); none on a CPU. Final loss: the last measured step's training loss (rungs 11 and 12: the stage's evaluation at "
-        "its last step).",
+        "vocabulary; none on a CPU. Memory: the allocator's peaks (`torch.cuda.max_memory_allocated/reserved`) "
+        "counted from the end of the warm-up, where the counters are reset (rungs 11 and 12: rank 0's, from the end "
+        "of the stage's first log interval, its step 0); in brackets, the reserved peak before that reset "
+        "(compilation included); a row without brackets kept one peak for its whole run; none on a CPU. Final "
+        "loss: the last measured step's training loss (rungs 11 and 12: the stage's evaluation at its last step).",
         "",
     ]
     if ceilings:

@@ -311,7 +311,11 @@ def failure_from_output(code, tail, timeout, limit="--rung-timeout"):
     lines = [line.strip() for line in tail if re.search(r"\w", line)]
     errors = [line for line in lines if ERROR_LINE.search(line)]
     last = (errors or lines or [""])[-1]
-    return exit_description(code) + (f": {last[:120]}" if last else "")
+    killed = code > 0 and re.search(r"\bSIGKILL\b", last)  # torchrun's line for a worker the system killed
+    return exit_description(code) + (f": {last[:120]}" if last else "") + (OUT_OF_MEMORY if killed else "")
+
+
+OUT_OF_MEMORY = ", on Linux most often the out-of-memory killer: the run outgrew the machine's RAM"
 
 
 def exit_description(code):
@@ -322,9 +326,7 @@ def exit_description(code):
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    oom = (", on Linux most often the out-of-memory killer: the run outgrew the machine's RAM" if name == "SIGKILL"
-           else "")
-    return f"killed by {name} (exit code {code}{oom})"
+    return f"killed by {name} (exit code {code}{OUT_OF_MEMORY if name == 'SIGKILL' else ''})"
 
 
 def cpu_note(device_info, tiny, runs="rungs"):

@@ -290,7 +290,7 @@ def main():
     out = checkpoints.claim_out_dir(args.out or ROOT / "runs" / "roofline" / slug(args.gpu))
     started, counted = time.perf_counter(), {}
     print(f"Counting each rung's work on the meta device{' and fitting the prediction' if args.predict else ''} "
-          "(about 10 s on a CPU) ...", file=sys.stderr, flush=True)
+          "(6-11 s on a 2-core CPU) ...", file=sys.stderr, flush=True)
     table = build_roofline(gpu, model=args.model, batch_size=args.batch_size, context_length=args.context_length,
                            step=lambda row: accumulated(row, args.grad_accum_steps), counted_steps=counted)
     table["grad_accum_steps"] = args.grad_accum_steps

@@ -216,6 +216,8 @@ def test_a_failed_scripts_row_quotes_its_error_not_torchruns_summary():
     killed = runner.failure_from_output(-9, ["... warming up (42 s since start)"], 60)
     assert killed.startswith("killed by SIGKILL (exit code -9") and "out-of-memory" in killed, killed
     assert runner.failure_from_output(-15, [], 60).startswith("killed by SIGTERM (exit code -15)")
+    torchrun = runner.failure_from_output(1, ["traceback : Signal 9 (SIGKILL) received by PID 4311"], 60)
+    assert torchrun.startswith("exited with code 1: traceback : Signal 9 (SIGKILL)") and "out-of-memory" in torchrun
 
 
 def test_a_full_size_ladder_on_a_cpu_says_so_up_front():
@@ -958,6 +960,9 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
     assert [(check["rung"], check["rung_tokens_per_sec"], check["script_over_rung"]) for check in checks] == [
         (0, 1000.0, 0.99), (10, None, None)]
     assert "--time-limit: the rest" not in capsys.readouterr().out
+    assert "Note: full-size" not in printed  # --tiny on a CPU: nothing to warn of; full size: the note comes first
+    assert ladder.main(["--rungs", "0", "--out", str(tmp_path / "full")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("Note: full-size rungs on a CPU")
     with pytest.raises(failures.UsageError, match="--rungs none measures nothing"):
         ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "none"]))
 

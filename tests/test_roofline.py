@@ -242,7 +242,7 @@ def test_an_unknown_gpu_exits_2_with_one_line(tmp_path):
     assert not out.exists()
     # every name it lists is one --gpu takes, as the table's row of that name (the PCIe and 40 GB parts included)
     known = lines[0].split("known: ")[1].split(", ")
-    assert {"A100 PCIe", "A100 40 GB", "V100 PCIE", "H100"} <= set(known), known
+    assert {"A100 PCIe 40 GB", "A100 PCIe", "A100 40 GB", "V100 PCIE", "H100"} <= set(known), known
     for name in known:
         assert utilization.peak_row(name) == next(row for row in utilization.PEAK_TFLOPS
                                                  if utilization.readable_gpu_name(row[0]) == name), name
