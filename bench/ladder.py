@@ -291,8 +291,9 @@ def run_ladder(args):
           + f" | {args.warmup} warm-up + {args.steps} measured steps per "
           f"rung{' | --tiny' if args.tiny else ''} | out: {out}"
           + (f" (beside its rows of rungs {report.rung_ranges(rungs_there)})" if rungs_there else ""), flush=True)
-    if runner.cpu_note(device_info, args.tiny):
-        print(runner.cpu_note(device_info, args.tiny), flush=True)
+    note = runner.cpu_note(device_info, args.tiny)
+    if note:
+        print(note, flush=True)
 
     done, durations, seconds_by_kind, left, stopped = [], [], {}, [], None
     for index, job in enumerate(planned, start=1):

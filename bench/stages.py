@@ -267,8 +267,9 @@ def main(argv=None):
                 print(f"--runs missing: nothing left to run: {out / rows.FOLDER} holds every run")
                 return failures.EXIT_OK
         (out / "logs").mkdir(parents=True, exist_ok=True)
-        if cpu_note(device_info, args.tiny, runs="stage runs"):
-            print(cpu_note(device_info, args.tiny, runs="stage runs"), flush=True)
+        note = cpu_note(device_info, args.tiny, runs="stage runs")
+        if note:
+            print(note, flush=True)
     except failures.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return failures.EXIT_USAGE
