@@ -386,7 +386,9 @@ def shard_model(model, device, activation_checkpointing):
         if activation_checkpointing:  # keep only the block's input for backward, which recomputes the rest
             block = model.trf_blocks[index] = checkpoint_wrapper(block)
         block.compile()  # step 8 per block, in place: a graph of the whole model would break at FSDP's hooks
-        fully_shard(block, mesh=mesh, mp_policy=mixed_precision)
+        # after its forward a block frees its gathered weights and gathers them again for its backward; one process
+        # keeps them instead: its shards are the whole weights, so gathering them again would only copy them
+        fully_shard(block, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=mesh.size() > 1)
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision)  # one more unit: embeddings, final norm, output head
 
 
@@ -459,7 +461,8 @@ def main():
     if device.type == "cpu" and not args.tiny:
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 
-    if resume:  # NEW (FSDP): checked against this run's batch and seed in sharding.load_checkpoint
+    if resume:  # opened at the start; checked here against this run's batch and seed
+        cli.check_continuation(resume, args, setup.tokens_per_step)
         sharding.load_checkpoint(model, optimizer, setup, len(train_loader))  # NEW (FSDP): its shards
         checkpoints.restore_rng(checkpoints.rng_of_rank(resume["rng"], rank, args.seed), device)  # NEW (DDP): its own
         print(cli.resume_line(args, resume))

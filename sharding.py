@@ -89,8 +89,8 @@ def _write_error(folder, err):
 
 
 def load_checkpoint(model, optimizer, setup, steps_per_epoch):
-    """--resume: model.pth (setup.resume, opened at the start), checked as cli.check_continuation checks; then
-    every rank reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them).
+    """--resume: model.pth (setup.resume, opened at the start, its batch and seed checked by the stage); every rank
+    reads its shards of the weights and AdamW's state from the folder it names (DCP reshards them).
 
     The global batch, --batch-size x --grad-accum-steps x processes (the train loader's batch, which holds the
     accumulation steps, times the processes), must be the checkpoint's; how it is split may change, the number
@@ -107,7 +107,6 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
     if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
         raise failures.UsageError(f"--resume {args.resume}: its sharded training state {folder} is missing or "
                                 "incomplete (copy the model.dcp folder along with model.pth)")
-    cli.check_continuation(checkpoint, args, setup.tokens_per_step)
     saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]

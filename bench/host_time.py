@@ -23,7 +23,10 @@ with the range of all of them.
   02-split  02 with its graph split per gradient bucket, as at two processes or more. DDP's 25 MiB buckets (and
             the 1 MiB first) are shrunk by the ratio of this model's block to GPT-2 small's, so that it splits
             into as many graphs as GPT-2 small does, 14 (the notes give the count from Dynamo's log)
-  03        FSDP2: every block compiled on its own and sharded (a process group of one: whole shards)
+  03        FSDP2: every block compiled on its own and sharded (a process group of one: whole shards, which each
+            block keeps gathered from its forward to its backward)
+  03-resharded  03 as at two processes or more: each block frees its gathered weights after its forward and
+            gathers them again for its backward
 
 On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
 what each stage's machinery adds. On a GPU (--device cuda) each phase is timed up to a synchronize.
@@ -50,7 +53,7 @@ import failures  # noqa: E402
 from failures import UsageError  # noqa: E402
 
 RUNS = {"01": "01_opt_single_gpu.py", "02": "02_opt_multi_gpu_ddp.py", "02-split": "02_opt_multi_gpu_ddp.py",
-        "03": "03_opt_multi_gpu_fsdp.py"}
+        "03": "03_opt_multi_gpu_fsdp.py", "03-resharded": "03_opt_multi_gpu_fsdp.py"}
 SMALL = {"vocab_size": 512, "context_length": 64, "emb_dim": 64, "n_heads": 4, "n_layers": 12, "drop_rate": 0.1,
          "qkv_bias": False}
 BATCH = 2
@@ -77,6 +80,16 @@ class BucketCount(logging.Handler):
         self.count = int(found.group(1)) if found else self.count  # the last split (a recompile splits again)
 
 
+def resharding_blocks(fully_shard):
+    """fully_shard as 03 calls it at two processes or more: where 03 chooses whether a unit reshards after its
+    forward (its blocks), it does."""
+    def wrapped(module, **options):
+        if "reshard_after_forward" in options:
+            options["reshard_after_forward"] = True
+        return fully_shard(module, **options)
+    return wrapped
+
+
 def measure(run, device_name, steps, warmup, layers, compiled):
     """One run, in this process: the stage's model, wrapped as the stage wraps it; milliseconds per phase."""
     import torch
@@ -95,10 +108,13 @@ def measure(run, device_name, steps, warmup, layers, compiled):
     torch.manual_seed(0)
     with device:
         model = stage.GPTModel(cfg)
-    if run == "03":
+    trained, notes = model, ""
+    if run.startswith("03"):
+        if run == "03-resharded":  # the blocks' choice at two processes or more (the model's own unit: as it is)
+            stage.fully_shard = resharding_blocks(stage.fully_shard)
+            notes = "each block gathers its weights again for its backward"
         stage.shard_model(model, device, activation_checkpointing=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1, fused=True)
-    trained, notes = model, ""
     buckets = BucketCount()
     if run.startswith("02"):
         cap_mb = 25  # DDP's default bucket

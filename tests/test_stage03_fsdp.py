@@ -147,7 +147,8 @@ def runs(tmp_path_factory):
                                  "--resume", root / "resharded" / "model.pth"], clean_env()),
             "compiled": Launch(two_processes(STAGE, *flags, "--out", root / "compiled", "--max-steps", 4,
                                              "--eval-freq", 2), clean_env(TORCH_LOGS="recompiles,graph_breaks,dynamo")),
-            "no_shards": Launch([*plain, "--out", root / "bad", "--resume", no_shards / "model.pth"], clean_env()),
+            "no_shards": Launch([*plain, "--out", root / "bad", "--batch-size", 2 * TINY_BATCH,  # the batch it had
+                                 "--resume", no_shards / "model.pth"], clean_env()),
         }
         results.update({name: launch.wait(timeout=400) for name, launch in launches.items()})
     finally:  # also on a failure or Ctrl-C: leave no launcher or worker behind
@@ -423,6 +424,38 @@ def test_the_shards_live_on_the_device_the_run_was_given(stage03, monkeypatch):
         stage03.shard_model(model, torch.device("cpu"), False)
         devices = {(tensor.device_mesh.device_type, tensor.device.type) for tensor in model.parameters()}
     assert devices == {("cpu", "cpu")}
+
+
+def test_one_process_keeps_each_blocks_gathered_weights_for_its_backward(stage03, monkeypatch):
+    """After a block's forward, FSDP2 frees the weights it gathered and gathers them again for the backward; at one
+    process the shards are the whole weights, so 03 keeps them gathered instead (bench/host_time.py: 03 against
+    03-resharded). At two processes or more it frees them: that is the memory sharding saves."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(4)
+    tokens = torch.randint(0, stage03.REAL_VOCAB_SIZE, (2, TINY_CONTEXT + 1))
+    with group_of_one(), torch.compiler.set_stance("force_eager"):
+        model = stage03.GPTModel(stage03.TINY_CONFIG)
+        stage03.shard_model(model, torch.device("cpu"), False)
+        loss = stage03.calc_loss_batch(tokens[:, :-1], tokens[:, 1:], model, torch.device("cpu"))
+        held = {type(p).__name__ for block in model.trf_blocks for p in block.parameters()}  # forward done
+        loss.backward()
+        after_backward = {type(p).__name__ for p in model.parameters()}
+    assert held == {"Parameter"}, f"the blocks hold {held} between forward and backward: their shards, not gathered"
+    assert after_backward == {DTensor.__name__}, after_backward  # the backward frees them: AdamW steps the shards
+
+    class Mesh:  # all shard_model asks of the mesh at two processes
+        def size(self):
+            return 2
+
+    chosen = []
+    monkeypatch.setattr(stage03.dist, "init_device_mesh", lambda *args, **kwargs: Mesh())
+    monkeypatch.setattr(stage03, "fully_shard", lambda module, **options: chosen.append(
+        options.get("reshard_after_forward", "the default")))
+    with group_of_one():
+        stage03.shard_model(stage03.GPTModel(stage03.TINY_CONFIG), torch.device("cpu"), False)
+    blocks = stage03.TINY_CONFIG["n_layers"]
+    assert chosen == [True] * blocks + ["the default"], chosen  # the blocks reshard; the root unit: FSDP2's own
 
 
 def test_bf16_gathers_with_autocast_keep_the_loss_near_float32(stage03):
