@@ -1,6 +1,6 @@
 """Host time per training step: what each stage's machinery costs when the step's arithmetic is too small to hide it.
 
-  python bench/host_time.py                          # 01, 02, 02-split and 03 on this machine's CPU
+  python bench/host_time.py                          # every run below on this machine's CPU
   python bench/host_time.py --runs 01,03 --steps 200 --device cuda
 
 On a GPU the host queues a step's kernels while the GPU runs the previous ones, so the host's own work per step
@@ -27,6 +27,8 @@ with the range of all of them.
             block keeps gathered from its forward to its backward)
   03-resharded  03 as at two processes or more: each block frees its gathered weights after its forward and
             gathers them again for its backward
+  03-unsharded  03 without FSDP2: its blocks compiled one by one and the rest eager, as in 03, but nothing
+            sharded (03-unsharded over 01: the graphs cut at the blocks; 03 over 03-unsharded: FSDP2 itself)
 
 On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
 what each stage's machinery adds. On a GPU (--device cuda) each phase is timed up to a synchronize.
@@ -53,7 +55,8 @@ import failures  # noqa: E402
 from failures import UsageError  # noqa: E402
 
 RUNS = {"01": "01_opt_single_gpu.py", "02": "02_opt_multi_gpu_ddp.py", "02-split": "02_opt_multi_gpu_ddp.py",
-        "03": "03_opt_multi_gpu_fsdp.py", "03-resharded": "03_opt_multi_gpu_fsdp.py"}
+        "03": "03_opt_multi_gpu_fsdp.py", "03-resharded": "03_opt_multi_gpu_fsdp.py",
+        "03-unsharded": "03_opt_multi_gpu_fsdp.py"}
 SMALL = {"vocab_size": 512, "context_length": 64, "emb_dim": 64, "n_heads": 4, "n_layers": 12, "drop_rate": 0.1,
          "qkv_bias": False}
 BATCH = 2
@@ -113,6 +116,9 @@ def measure(run, device_name, steps, warmup, layers, compiled):
         if run == "03-resharded":  # the blocks' choice at two processes or more (the model's own unit: as it is)
             stage.fully_shard = resharding_blocks(stage.fully_shard)
             notes = "each block gathers its weights again for its backward"
+        if run == "03-unsharded":  # shard_model's per-block compile, without the sharding (and its bf16 policy)
+            stage.fully_shard = lambda module, **options: module
+            notes = "no FSDP2: the blocks compiled one by one, the rest eager"
         stage.shard_model(model, device, activation_checkpointing=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1, fused=True)
     buckets = BucketCount()

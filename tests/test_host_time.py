@@ -21,11 +21,11 @@ def block_parameters(width):
 
 
 def test_each_stage_is_timed_phase_by_phase_in_a_process_of_its_own():
-    done = host_time("--runs", "01,02-split,03,03-resharded", "--no-compile", "--steps", 3, "--warmup", 1,
-                     "--layers", 2, "--repeats", 1)
+    done = host_time("--runs", "01,02-split,03,03-resharded,03-unsharded", "--no-compile", "--steps", 3,
+                     "--warmup", 1, "--layers", 2, "--repeats", 1)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| 0")}
-    assert list(rows) == ["01", "02-split", "03", "03-resharded"], done.stdout
+    assert list(rows) == ["01", "02-split", "03", "03-resharded", "03-unsharded"], done.stdout
     for line in rows.values():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert all(float(cell) > 0 for cell in [cells[1].split()[0], *cells[2:5]]), line
@@ -36,6 +36,7 @@ def test_each_stage_is_timed_phase_by_phase_in_a_process_of_its_own():
     assert f"buckets of {expected:.3f} MiB, eager: no graph to split" in rows["02-split"], rows["02-split"]
     assert re.search(r"\| 03 \|.*\|\s*\|$", rows["03"])  # no notes where nothing was shrunk
     assert rows["03-resharded"].endswith("| each block gathers its weights again for its backward |")
+    assert rows["03-unsharded"].endswith("| no FSDP2: the blocks compiled one by one, the rest eager |")
 
 
 def test_the_table_sets_each_runs_median_process_beside_01s():
@@ -56,7 +57,7 @@ def test_the_table_sets_each_runs_median_process_beside_01s():
 
 
 def test_an_unknown_run_or_a_missing_gpu_is_refused_in_one_line():
-    for flags, message in ((("--runs", "01,04"), "the runs are 01, 02, 02-split, 03, 03-resharded"),
+    for flags, message in ((("--runs", "01,04"), "the runs are 01, 02, 02-split, 03, 03-resharded, 03-unsharded"),
                            (("--device", "cuda"), "sees no CUDA GPU"),
                            (("--repeats", 0), "--steps, --layers and --repeats take a whole number from 1")):
         done = host_time(*flags)
