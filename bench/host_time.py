@@ -6,7 +6,8 @@
 On a GPU the host queues a step's kernels while the GPU runs the previous ones, so the host's own work per step
 (Python, the compiled graphs' wrappers, DDP's and FSDP2's hooks, the collectives' calls) costs nothing until it takes
 longer than the GPU's. On an H100, a step of 01 at batch 32 took about 74 ms, and at batch 8 about 26 ms: there the
-stages parted, 02 and 03 at one process running at 56% and 27% of 01's speed (02 with its graph split, then).
+stages parted, 02 and 03 at one process running at 56% and 27% of 01's speed (02 with its graph split, 03 gathering
+each block again for its backward, then).
 
 This script measures the host's side alone. Each run is a process of its own (a fresh compiler, a process group of
 one) that builds the stage's own GPTModel with GPT-2 small's 12 blocks, but 64 wide, with a vocabulary of 512 and
@@ -28,7 +29,8 @@ with the range of all of them.
   03-resharded  03 as at two processes or more: each block frees its gathered weights after its forward and
             gathers them again for its backward
   03-unsharded  03 without FSDP2: its blocks compiled one by one and the rest eager, as in 03, but nothing
-            sharded (03-unsharded over 01: the graphs cut at the blocks; 03 over 03-unsharded: FSDP2 itself)
+            sharded and no bf16 policy: float32 weights under autocast, as in 01 (03-unsharded over 01: the graphs
+            cut at the blocks; 03 over 03-unsharded: FSDP2 itself, its policy's casts included)
 
 On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
 what each stage's machinery adds. On a GPU (--device cuda) each phase is timed up to a synchronize.
