@@ -387,7 +387,7 @@ def shard_model(model, device, activation_checkpointing):
             block = model.trf_blocks[index] = checkpoint_wrapper(block)
         block.compile()  # step 8 per block, in place: a graph of the whole model would break at FSDP's hooks
         # after its forward a block frees its gathered weights and gathers them again for its backward; one process
-        # keeps them (2 bytes a parameter until the backward): its shards are whole, gathering again would only copy
+        # keeps them (2 bytes a block parameter to the backward): its shards are whole, gathering again would only copy
         fully_shard(block, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=mesh.size() > 1)
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision)  # one more unit: embeddings, final norm, output head
 
