@@ -3,6 +3,7 @@ phases where they happen, which says what the run is doing during a long one.
 """
 
 import contextlib
+import importlib.util
 import os
 import sys
 import threading
@@ -147,7 +148,8 @@ class WallClock:
         """The clock stops (its timer thread ends, torch.compile's callbacks go). Returns, for metrics.json, the seconds
         since the process started by phase (WALL_CLOCK_PHASES) and in total, then "imports": the part of start-up
         before the clock was made (the interpreter and the imports), and "start-up parts": the rest of start-up
-        part by part (START_UP_PARTS: the command line, the device, the corpus, ...), so that each shows."""
+        part by part (START_UP_PARTS: the command line, the device, the corpus, ...), so that each shows, and
+        "imports compiled from source": True where PyTorch's Python had no bytecode to load (bytecode_cached)."""
         self._close()
         self._say_after_every(None)
         for remove, callback in self._callbacks:
@@ -155,7 +157,8 @@ class WallClock:
         self._callbacks, WallClock.current = [], None
         split = {phase: round(seconds, 2) for phase, seconds in self.seconds.items()}
         return {**split, "total": round(sum(self.seconds.values()), 2), "imports": round(self.imports, 2),
-                "start-up parts": {part: round(seconds, 2) for part, seconds in self.parts.items()}}
+                "start-up parts": {part: round(seconds, 2) for part, seconds in self.parts.items()},
+                "imports compiled from source": not bytecode_cached()}
 
     def describe(self):
         """What the run is doing now, e.g. "compiling the training graph (torch.compile): training: epoch 1, step 0"."""
@@ -181,6 +184,12 @@ class WallClock:
             print(f"  ... {self.describe()} ({time.monotonic() - self.started:.0f} s since start)", flush=True)
 
 
+# Where PyTorch's Python has no bytecode cache, the wall clock line adds how to make one, once
+BYTECODE_HINT = ("Imports: PyTorch's Python files have no bytecode cache (.pyc) and Python writes none here "
+                 "(PYTHONDONTWRITEBYTECODE, or a read-only folder), so every start compiles them again. Compile them "
+                 "once: python -m compileall -q -j 0 \"$(python -c 'import torch, os; "
+                 "print(os.path.dirname(torch.__path__[0]))')\" (where that folder is read-only, run it and the stages "
+                 "with PYTHONPYCACHEPREFIX set to a folder of yours)")
 WALL_CLOCK_PHASES = ("start-up", "compilation", "training", "evaluation", "sampling", "checkpoints and outputs")
 # Start-up's parts after the imports, in a stage's order, with what the line of a long one says. "device" holds
 # CUDA's start (and in 02 and 03 the process group's); "until the first step" what is left before the first step.
@@ -205,6 +214,17 @@ def process_age():
         return 0.0
 
 
+def bytecode_cached(module="torch"):
+    """Whether the Python files of `module` (imported or not) have the bytecode cache (.pyc) that this interpreter
+    loads. Without one, where the install shipped none and Python may not write it (PYTHONDONTWRITEBYTECODE, a
+    read-only folder), every process compiles them from source again: seconds of every start-up's imports."""
+    imported = sys.modules.get(module)
+    source = getattr(imported, "__file__", None) or getattr(importlib.util.find_spec(module), "origin", None)
+    if not source or not source.endswith(".py"):
+        return True  # nothing compiled from source to cache (a built-in or extension module)
+    return os.path.exists(importlib.util.cache_from_source(source))  # honours PYTHONPYCACHEPREFIX
+
+
 def busy(what):
     """A long call that writes a file, e.g. "writing model.pth": its time goes to "checkpoints and outputs" on the
     process's wall clock (if there is one), then the phase it interrupted goes on."""
@@ -227,4 +247,7 @@ def wall_clock_line(split):
         return f"{phase} {split[phase]:.1f} s" + (f" ({parts})" if parts else "")
 
     parts = " + ".join(part(phase) for phase in WALL_CLOCK_PHASES)
-    return f"Wall clock: {split['total']:.1f} s since the process started = {parts}"
+    line = f"Wall clock: {split['total']:.1f} s since the process started = {parts}"
+    if split.get("imports compiled from source"):
+        line += "\n" + BYTECODE_HINT
+    return line

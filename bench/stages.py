@@ -147,7 +147,8 @@ def phase_cell(split, phase):
     """A phase's seconds; start-up with its imports beside it, where the run recorded them (timekeeping)."""
     text = cell(split.get(phase), ".1f")
     if phase == "start-up" and split.get("imports") is not None:
-        text += f" (imports {split['imports']:.1f})"
+        from_source = ", no .pyc" if split.get("imports compiled from source") else ""  # PyTorch's Python compiled
+        text += f" (imports {split['imports']:.1f}{from_source})"
     return text
 
 
@@ -167,7 +168,10 @@ def tables(report):
     imports = any("imports" in (row.get("wall_clock_s") or {}) for row in report["runs"])
     lines += ["", "Wall clock, in seconds: the whole command, then the run's own split from the moment its process "
                   "started (the last line of its log; torchrun's start and the process's exit are outside it)."
-              + (" Start-up's imports: what came before the stage's main() began its set-up." if imports else ""), "",
+              + (" Start-up's imports: what came before the stage's main() began its set-up." if imports else "")
+              + (" No .pyc: PyTorch's Python had no bytecode cache, so that process compiled it again (the run's log "
+                 "says how to make one)." if any((row.get("wall_clock_s") or {}).get("imports compiled from source")
+                                              for row in report["runs"]) else ""), "",
               "| run | whole command | " + " | ".join(PHASES) + " |",
               "| --- | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for row in report["runs"]:

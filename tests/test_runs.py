@@ -279,3 +279,22 @@ def test_start_up_is_split_into_the_imports_and_the_parts_main_names():
         timekeeping.wall_clock_line(older))
     oldest = {key: value for key, value in older.items() if key != "imports"}  # and from before the imports
     assert f"start-up {split['start-up']:.1f} s + compilation" in timekeeping.wall_clock_line(oldest)
+
+
+def test_imports_without_a_bytecode_cache_are_found_and_the_wall_clock_says_how_to_make_one(tmp_path):
+    """Where PyTorch's Python has no .pyc that the interpreter loads (none shipped, and PYTHONDONTWRITEBYTECODE or a
+    read-only folder), every start compiles it again: the run's split says so and its last line says how to fix it."""
+    import timekeeping
+
+    env = {**ENV, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}  # an empty cache
+    ask = [sys.executable, "-c", "import timekeeping; print(timekeeping.bytecode_cached())"]
+    assert subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True).stdout.strip() == "False"
+    # the hint's own command, into that prefix (torch's first file only, to keep the test short): found now
+    compile_torch = [sys.executable, "-m", "compileall", "-q", torch.__file__]
+    subprocess.run(compile_torch, cwd=ROOT, env=env, check=True, capture_output=True)
+    assert subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True).stdout.strip() == "True"
+
+    split = {phase: 1.0 for phase in timekeeping.WALL_CLOCK_PHASES} | {"total": 6.0, "imports": 0.5}
+    assert timekeeping.wall_clock_line(split).count("\n") == 0  # a row from before the flag, or a cached run
+    line = timekeeping.wall_clock_line(split | {"imports compiled from source": True})
+    assert line.splitlines()[1] == timekeeping.BYTECODE_HINT and "compileall" in line

@@ -124,6 +124,11 @@ def test_the_wall_clock_table_names_start_ups_imports_where_a_run_recorded_them(
     assert "| run | imports | command line | device | corpus | tokenizer | model | until the first step |" in lines
     assert "| 01-warm | 6.10 | 0.01 | 1.20 | 0.05 | 0.20 | 0.30 | 0.40 |" in lines, lines
     assert not any(line.startswith("| 00 | 6.10") for line in lines)  # a run without parts has no row there
+    assert not any("No .pyc" in line for line in lines)
+    uncached = {**row, "wall_clock_s": {**row["wall_clock_s"], "imports compiled from source": True}}
+    lines = stages.tables({"runs": [uncached, older]})
+    assert "| 01-cold | 20.0 | 15.7 (imports 6.1, no .pyc) | 1.0 | 1.0 | 1.0 | 0.5 | 0.5 |" in lines, lines
+    assert any("No .pyc: PyTorch's Python had no bytecode cache" in line for line in lines)
 
 
 def test_runs_missing_goes_on_where_the_folder_stopped(tmp_path, monkeypatch, capsys):
