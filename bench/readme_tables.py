@@ -71,6 +71,7 @@ def read_folder(folder):
     other = [what for what, differs in (
         ("--tiny", settings.get("tiny")), (f"--model {settings.get('model')}", settings.get("model") != "gpt2-small"),
         (f"--batch-size {settings.get('batch_size')}", settings.get("batch_size") is not None),
+        (f"--context-length {settings.get('context_length')}", settings.get("context_length") is not None),
         (f"--option {settings.get('options')}", bool(settings.get("options")))) if differs]
     if other:
         raise UsageError(f"{folder} was measured with {', '.join(other)}: the results' tables show the stages at their "

@@ -312,8 +312,8 @@ def test_window_sizes_cover_every_step():
 def hand_made_context(started_at="2026-01-01 00:00:00 UTC", **differences):
     """The context every row of one ladder command carries; `differences` changes its header or settings
     (torch="2.0", steps=5...)."""
-    settings = {"tiny": False, "model": "gpt2-small", "batch_size": None, "data": "shakespeare", "seed": 123,
-                "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda", "options": None}
+    settings = {"tiny": False, "model": "gpt2-small", "batch_size": None, "context_length": None, "data": "shakespeare",
+                "seed": 123, "warmup_steps": 10, "steps": 30, "windows": 5, "device": "cuda", "options": None}
     context = {"device": "NVIDIA X (compute capability 9.0, CUDA 12.8)", "device_name": "NVIDIA X", "gpu_count": 1,
                "driver": "570.00", "cuda": "12.8", "torch": "2.9.0", "python": "3.12", "settings": settings,
                "command": {"started_at": started_at, "command": "python bench/ladder.py", "git": "abc1234"}}

@@ -100,6 +100,9 @@ def test_a_ladder_at_other_settings_is_refused(folder, readme, capsys):
     assert readme_tables.main(pages(folder, readme)) == 2
     assert "measured with --batch-size 8" in capsys.readouterr().err and readme.read_text(encoding="utf-8") == before
     assert readme_tables.main(pages(folder / "stages", readme)) == 2  # no ladder rows there
+    write_rows(folder, hand_made_rows(SPEEDS, "2026-01-03 00:00:00 UTC", context_length=2048))
+    assert readme_tables.main(pages(folder, readme)) == 2
+    assert "measured with --context-length 2048" in capsys.readouterr().err and readme.read_text(encoding="utf-8") == before
 
 
 def test_the_pages_show_no_gpu_figure_or_those_of_the_folders_they_name():
