@@ -99,8 +99,9 @@ def build_parser():
                         help="which rungs: 'all', a list like 0,8,10, ranges like 0-7, 'none' (only the "
                              "--check-scripts runs the results folder lacks), or 'missing' (the rungs the folder "
                              "holds no row for, then the --check-scripts runs it lacks: the same command again goes "
-                             "on where the last one stopped) (default: all; 0-10 with an --option other than "
-                             "grad-accum, or with --context-length)")
+                             "on where the last one stopped) (default: all; with --option, the rungs every "
+                             "option named applies to: 0-10 for most, 0-12 for the settings the stage scripts take "
+                             "too; 0-10 with --context-length)")
     parser.add_argument("--model", choices=tuple(cli.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
