@@ -51,7 +51,7 @@ OPTIONS = {
                           "sizes of its own kernels (the loss's and the norms' reductions) one step at a time",
     "cudnn-attention": "SDPA on cuDNN's attention kernels only (torch.backends.cuda: flash, memory-efficient and "
                        "math off): NVIDIA's own FlashAttention for Hopper instead of PyTorch's. 01 turns it off "
-                       "because it rounds dropout to a multiple of 1/16 (the rows train at another rate than 0.1; "
+                       "because its kernels may round dropout to a multiple of 1/16 (another rate than 0.1; "
                        "PyTorch 2.12 and newer refuse it at 0.1, and the rungs fail)",
     "memory-budget": f"torch._functorch.config.activation_memory_budget = {MEMORY_BUDGET}: the compiled step saves "
                      "less for its backward and recomputes the norms, GELU and the residual stream there "
