@@ -166,12 +166,12 @@ def tables(report):
                      f"({cell(row.get('first_interval_peak_reserved_gb'), '.2f')}) | "
                      f"{cell(row['final_val_loss'], '.3f')} |")
     imports = any("imports" in (row.get("wall_clock_s") or {}) for row in report["runs"])
+    from_source = any((row.get("wall_clock_s") or {}).get("imports compiled from source") for row in report["runs"])
     lines += ["", "Wall clock, in seconds: the whole command, then the run's own split from the moment its process "
                   "started (the last line of its log; torchrun's start and the process's exit are outside it)."
               + (" Start-up's imports: what came before the stage's main() began its set-up." if imports else "")
               + (" No .pyc: PyTorch's Python had no bytecode cache, so that process compiled it again (the run's log "
-                 "says how to make one)." if any((row.get("wall_clock_s") or {}).get("imports compiled from source")
-                                              for row in report["runs"]) else ""), "",
+                 "says how to make one)." if from_source else ""), "",
               "| run | whole command | " + " | ".join(PHASES) + " |",
               "| --- | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for row in report["runs"]:
