@@ -560,7 +560,7 @@ def test_the_no_dropout_option_turns_every_dropout_off_and_nothing_else():
 
 
 def test_rungs_keep_cudnns_attention_off_as_the_stages_do_unless_the_option_measures_it():
-    """01's main() turns cuDNN's attention off (step 7: it rounds dropout to a multiple of 1/16); the composed rungs
+    """01's main() turns cuDNN's attention off (step 7: it may round dropout to a multiple of 1/16); the composed rungs
     must attend with the same kernel as 01, and --option cudnn-attention with cuDNN's alone."""
     backends = torch.backends.cuda
     saved = backends.cudnn_sdp_enabled()

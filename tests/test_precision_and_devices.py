@@ -427,7 +427,7 @@ print("cuDNN attention on:", torch.backends.cuda.cudnn_sdp_enabled())
 
 @pytest.mark.parametrize("script", ["01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py", "03_opt_multi_gpu_fsdp.py"])
 def test_the_stages_train_with_cudnns_attention_off(script, small_text, tmp_path):
-    """cuDNN's attention, which PyTorch 2.11 tries first on Hopper, rounds dropout to a multiple of 1/16: the stages
+    """cuDNN's attention, which PyTorch 2.11 tries first on Hopper, may round dropout to a multiple of 1/16: the stages
     turn it off, so that SDPA takes FlashAttention at the book's 0.1 (the GPU tier checks the kernel itself)."""
     result = run_script("-c", SDPA_SETTING_PROBE, script, "--tiny", "--data", small_text, "--max-steps", 1,
                         "--no-compile", "--out", tmp_path / "run", timeout=180)

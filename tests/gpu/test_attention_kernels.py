@@ -2,7 +2,7 @@
 one really applies, and what a training call of each costs.
 
 Stages 01 to 03 turn cuDNN's attention off (torch.backends.cuda.enable_cudnn_sdp(False)): PyTorch 2.11 tries it
-first on Hopper GPUs, and it rounds the dropout probability to a multiple of 1/16, so the book's 0.1 would train at
+first on Hopper GPUs, and it may round the dropout probability to a multiple of 1/16, so the book's 0.1 would train at
 another rate (PyTorch 2.12 and newer stop routing such rates to it). This file measures that premise on the GPU at
 hand and reports what cuDNN's kernel would have bought; the stage runs of test_full_size_runs.py check which kernel
 the stages' compiled steps really use. Every call of cuDNN's attention runs in a child process of its own: an error

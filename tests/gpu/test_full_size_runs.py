@@ -178,7 +178,7 @@ def test_compiled_once_no_recompiles_for_evaluation_padding_or_sample(stage, req
 
 @pytest.mark.parametrize("stage", ["01", "02", "03"])
 def test_compiled_steps_attend_with_flashattention_not_cudnn(stage, request, report):
-    """Step 7 turns cuDNN's attention off (it rounds the dropout of 0.1 to a multiple of 1/16; see
+    """Step 7 turns cuDNN's attention off (it may round the dropout of 0.1 to a multiple of 1/16; see
     test_attention_kernels.py): the graphs torch.compile traced must call FlashAttention's kernels, forward and
     backward, and no other attention kernel. SDPA picks its kernel while the graph is traced, so the graphs say
     which one every step runs."""
