@@ -28,6 +28,9 @@ with the range of all of them.
             block keeps gathered from its forward to its backward)
   03-resharded  03 as at two processes or more: each block frees its gathered weights after its forward and
             gathers them again for its backward
+  03-one-unit  03 with FSDP2 on the whole model alone, not on each block: one unit, so one gather, one
+            reduce-scatter and one set of hooks a step, over the same 137 parameters (03 over 03-one-unit: what
+            the twelve blocks' own units cost; 03-one-unit over 03-unsharded: what FSDP2 costs per parameter)
   03-unsharded  03 without FSDP2: its blocks compiled one by one and the rest eager, as in 03, but nothing
             sharded and no bf16 policy: float32 weights under autocast, as in 01 (03-unsharded over 01: the graphs
             cut at the blocks; 03 over 03-unsharded: FSDP2 itself, its policy's casts included)
@@ -58,7 +61,7 @@ from failures import UsageError  # noqa: E402
 
 RUNS = {"01": "01_opt_single_gpu.py", "02": "02_opt_multi_gpu_ddp.py", "02-split": "02_opt_multi_gpu_ddp.py",
         "03": "03_opt_multi_gpu_fsdp.py", "03-resharded": "03_opt_multi_gpu_fsdp.py",
-        "03-unsharded": "03_opt_multi_gpu_fsdp.py"}
+        "03-one-unit": "03_opt_multi_gpu_fsdp.py", "03-unsharded": "03_opt_multi_gpu_fsdp.py"}
 SMALL = {"vocab_size": 512, "context_length": 64, "emb_dim": 64, "n_heads": 4, "n_layers": 12, "drop_rate": 0.1,
          "qkv_bias": False}
 BATCH = 2
@@ -95,6 +98,13 @@ def resharding_blocks(fully_shard):
     return wrapped
 
 
+def root_only(fully_shard, root):
+    """fully_shard for `root` alone: 03's calls for its blocks leave them to the root's one unit."""
+    def wrapped(module, **options):
+        return fully_shard(module, **options) if module is root else module
+    return wrapped
+
+
 def measure(run, device_name, steps, warmup, layers, compiled):
     """One run, in this process: the stage's model, wrapped as the stage wraps it; milliseconds per phase."""
     import torch
@@ -118,6 +128,9 @@ def measure(run, device_name, steps, warmup, layers, compiled):
         if run == "03-resharded":  # the blocks' choice at two processes or more (the model's own unit: as it is)
             stage.fully_shard = resharding_blocks(stage.fully_shard)
             notes = "each block gathers its weights again for its backward"
+        if run == "03-one-unit":  # the root's unit holds every parameter (FSDP2 keeps a root's gathered to backward)
+            stage.fully_shard = root_only(stage.fully_shard, model)
+            notes = "FSDP2's unit on the whole model alone, not on each block"
         if run == "03-unsharded":  # shard_model's per-block compile, without the sharding (and its bf16 policy)
             stage.fully_shard = lambda module, **options: module
             notes = "no FSDP2: the blocks compiled one by one, the rest eager"

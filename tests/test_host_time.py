@@ -21,11 +21,11 @@ def block_parameters(width):
 
 
 def test_each_stage_is_timed_phase_by_phase_in_a_process_of_its_own():
-    done = host_time("--runs", "01,02-split,03,03-resharded,03-unsharded", "--no-compile", "--steps", 3,
+    done = host_time("--runs", "01,02-split,03,03-resharded,03-one-unit,03-unsharded", "--no-compile", "--steps", 3,
                      "--warmup", 1, "--layers", 2, "--repeats", 1)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| 0")}
-    assert list(rows) == ["01", "02-split", "03", "03-resharded", "03-unsharded"], done.stdout
+    assert list(rows) == ["01", "02-split", "03", "03-resharded", "03-one-unit", "03-unsharded"], done.stdout
     for line in rows.values():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert all(float(cell) > 0 for cell in [cells[1].split()[0], *cells[2:5]]), line
@@ -36,6 +36,7 @@ def test_each_stage_is_timed_phase_by_phase_in_a_process_of_its_own():
     assert f"buckets of {expected:.3f} MiB, eager: no graph to split" in rows["02-split"], rows["02-split"]
     assert re.search(r"\| 03 \|.*\|\s*\|$", rows["03"])  # no notes where nothing was shrunk
     assert rows["03-resharded"].endswith("| each block gathers its weights again for its backward |")
+    assert rows["03-one-unit"].endswith("| FSDP2's unit on the whole model alone, not on each block |")
     assert rows["03-unsharded"].endswith("| no FSDP2: the blocks compiled one by one, the rest eager |")
 
 
@@ -57,7 +58,8 @@ def test_the_table_sets_each_runs_median_process_beside_01s():
 
 
 def test_an_unknown_run_or_a_missing_gpu_is_refused_in_one_line():
-    for flags, message in ((("--runs", "01,04"), "the runs are 01, 02, 02-split, 03, 03-resharded, 03-unsharded"),
+    runs = "01, 02, 02-split, 03, 03-resharded, 03-one-unit, 03-unsharded"
+    for flags, message in ((("--runs", "01,04"), f"the runs are {runs}"),
                            (("--device", "cuda"), "sees no CUDA GPU"),
                            (("--repeats", 0), "--steps, --layers and --repeats take a whole number from 1")):
         done = host_time(*flags)
@@ -73,3 +75,13 @@ def test_03_resharded_makes_the_blocks_free_their_weights_after_the_forward():
     shard("block", mesh="m", reshard_after_forward=False)  # 03's blocks at one process
     shard("model", mesh="m")  # 03's root unit: FSDP2's default, left alone
     assert calls == [("block", {"mesh": "m", "reshard_after_forward": True}), ("model", {"mesh": "m"})]
+
+
+def test_03_one_unit_shards_the_root_alone_and_leaves_the_blocks_to_it():
+    from bench import host_time
+
+    calls, root = [], object()
+    shard = host_time.root_only(lambda module, **options: calls.append((module, options)) or module, root)
+    assert shard("block", mesh="m", reshard_after_forward=False) == "block"  # a block: no unit of its own
+    shard(root, mesh="m")
+    assert calls == [(root, {"mesh": "m"})]
