@@ -1,6 +1,6 @@
 """The GPU tier: full-size runs on one CUDA GPU; its log is a report of what it measured.
 
-Budget on one H100: two commands of at most 8 minutes each (a lent GPU machine runs one command for at most 10),
+Budget on one H100: three commands of at most 8 minutes each (a lent GPU machine runs one command for at most 10),
 the numbers the README needs first:
 
     python -m pytest -q tests/gpu/test_full_size_runs.py          # 6 min 44 s on an H100: the four stages at full size
