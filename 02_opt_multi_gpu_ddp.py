@@ -497,7 +497,7 @@ def main():
     plot_losses(state.log, out / "loss")
     if device.type == "cuda":  # the steady state's peaks beside the first interval's
         print(gpu_memory.peak_memory_line(metrics))
-    print(f"Wrote {out}/metrics.json, loss.pdf, loss.png and model.pth")
+    print(checkpoints.outputs_line(out))
     print(timekeeping.wall_clock_line(metrics["wall_clock_s"]))
 
 

@@ -17,6 +17,17 @@ from data import files
 from failures import OutputError, UsageError
 from timekeeping import busy
 
+SHARDED_FOLDER = "model.dcp"  # stage 03's sharded training state, beside the model.pth that names it
+
+
+def outputs_line(out):
+    """The line that lists what a finished run wrote into `out`: in stage 03 model.pth needs its sharded folder."""
+    names = ["metrics.json", "loss.pdf", "loss.png", "model.pth"]
+    if (Path(out) / SHARDED_FOLDER).is_dir():
+        names[-1] = f"model.pth with its sharded state in {SHARDED_FOLDER}/ (copy both to resume elsewhere)"
+    return f"Wrote {out}/{', '.join(names[:-1])} and {names[-1]}"
+
+
 LOCK_NAME = ".run.lock"  # in the output folder: held (flock) by the live run that writes there
 _held_locks = {}  # resolved folder -> open lock file, kept open for the life of the process
 
@@ -203,7 +214,18 @@ def open_checkpoint(path, script):
     if checkpoint["script"] != script:
         raise UsageError(f"--resume {path}: written by {checkpoint['script']}, not {script}: "
                          f"resume it with {checkpoint['script']}")
+    if "sharded_state" in checkpoint:  # stage 03's: the weights and AdamW's state are in the shards it names
+        check_sharded_state(path, checkpoint)
     return Checkpoint(checkpoint)
+
+
+def check_sharded_state(path, checkpoint):
+    """Stage 03's checkpoint `path` names the folder of its shards (weights and AdamW's state), which must lie beside
+    it, whole: DCP writes the folder's .metadata last."""
+    folder = Path(path).parent / str(checkpoint.get("sharded_state"))
+    if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
+        raise UsageError(f"--resume {path}: its sharded training state {folder} is missing or incomplete (copy the "
+                         f"{SHARDED_FOLDER} folder along with model.pth)")
 
 
 # What to do when an output cannot be written, by the OS error's number.

@@ -40,7 +40,7 @@ class OneLineParser(argparse.ArgumentParser):
             elif name in TORCHRUN_FLAGS:
                 torchruns.append(word)
             elif name.startswith("--") and found:
-                hints += f"; did you mean {found[0]} for {name}?"
+                hints += f"; {name}: did you mean {found[0]}?"
         if torchruns:  # 00 and 01 train in one process: several take 02
             script = self.prog if self.prog.startswith(("02", "03")) else "02_opt_multi_gpu_ddp.py"
             hints += f"; {' '.join(torchruns)}: torchrun's, before the script: torchrun {' '.join(torchruns)} {script}"
@@ -161,7 +161,7 @@ def build_parser(description, settings, tiny_settings):
     parser.add_argument("--profile", action="store_true",
                         help=f"profile training steps {profiled} to {profiled + inspection.PROFILE_ACTIVE - 1} "
                              "(counted from 0, as in the log; later, where an evaluation, a checkpoint or an epoch's "
-                             "end would fall among them) with torch.profiler, the ones before warm up and "
+                             "end would fall among them: 7 to 9 with --tiny) with torch.profiler, the ones before warm up and "
                              "compile: a trace under <out>/profile/ and a table of the top operators; those steps "
                              "are left out of tok/s")
     parser.add_argument("--memory-snapshot", action="store_true",

@@ -31,7 +31,7 @@ import gpu_memory
 import timekeeping
 import utilization
 
-SHARDED_FOLDER = "model.dcp"  # beside model.pth
+SHARDED_FOLDER = checkpoints.SHARDED_FOLDER  # beside model.pth
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,10 +103,8 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
     the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
     checkpoint, args, world_size = setup.resume, setup.args, dist.get_world_size()
-    folder = Path(args.resume).parent / str(checkpoint.get("sharded_state"))
-    if not checkpoint.get("sharded_state") or not (folder / ".metadata").is_file():
-        raise failures.UsageError(f"--resume {args.resume}: its sharded training state {folder} is missing or "
-                                "incomplete (copy the model.dcp folder along with model.pth)")
+    checkpoints.check_sharded_state(args.resume, checkpoint)  # as when --resume opened it (a checkpoint without the key)
+    folder = Path(args.resume).parent / checkpoint["sharded_state"]
     saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]

@@ -226,7 +226,7 @@ def test_a_mistyped_or_shortened_flag_names_the_flag_meant(stage00, capsys):
         with pytest.raises(SystemExit) as stopped:
             parser.parse_args([typed, "5"] if "=" not in typed else [typed])
         err = capsys.readouterr().err
-        assert stopped.value.code == 2 and f"did you mean {meant} for {typed.split('=')[0]}?" in err, err
+        assert stopped.value.code == 2 and f"{typed.split('=')[0]}: did you mean {meant}?" in err, err
         assert err.count("\n") == 1
 
 

@@ -270,12 +270,24 @@ def test_the_export_loads_into_stage01_and_matches_the_sharded_state(runs, stage
         assert torch.equal(shards[name], tensor), name
 
 
+def test_the_last_lines_name_the_sharded_folder_that_model_pth_needs(runs, tmp_path):
+    import checkpoints
+
+    stdout = runs.results["reference"][1]
+    wrote = [line for line in stdout.splitlines() if line.startswith("Wrote ")]
+    assert len(wrote) == 1 and wrote[0].endswith("model.pth with its sharded state in model.dcp/ (copy both to "
+                                                 "resume elsewhere)"), wrote
+    assert (runs.root / "reference" / "model.dcp").is_dir()
+    assert checkpoints.outputs_line(tmp_path) == f"Wrote {tmp_path}/metrics.json, loss.pdf, loss.png and model.pth"
+
+
 def test_a_checkpoint_without_its_shards_exits_2_with_one_line(runs):
     rc, stdout, stderr = runs.results["no_shards"]
     assert rc == 2, stdout[-1000:] + stderr[-2000:]
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --resume") and "model.dcp/step-000012" in lines[0], stderr
     assert not (runs.root / "bad" / "model.pth").exists()
+    assert "Model:" not in stdout  # found when the checkpoint is opened, before the corpus and the model are built
 
 
 def test_a_checkpoint_of_stage02_is_refused(runs):
