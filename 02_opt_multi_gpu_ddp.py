@@ -347,6 +347,7 @@ def plot_losses(log, path_stem):
     ax1.plot(epochs_seen, [entry["train_loss"] for entry in log], label="Training loss")
     ax1.plot(epochs_seen, [entry["val_loss"] for entry in log], linestyle="-.", label="Validation loss")
     ax1.set_xlabel("Epochs")
+    ax1.locator_params(axis="x", nbins=5)  # few ticks: a short run's fractions of an epoch stay legible
     ax1.set_ylabel("Loss")
     ax1.legend(loc="upper right")
     ax2 = ax1.twiny()  # a second x-axis: tokens seen

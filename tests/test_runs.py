@@ -298,3 +298,34 @@ def test_imports_without_a_bytecode_cache_are_found_and_the_wall_clock_says_how_
     assert timekeeping.wall_clock_line(split).count("\n") == 0  # a row from before the flag, or a cached run
     line = timekeeping.wall_clock_line(split | {"imports compiled from source": True})
     assert line.splitlines()[1] == timekeeping.BYTECODE_HINT and "compileall" in line
+
+
+@pytest.mark.parametrize("script", ["00_orig.py", "01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py",
+                                    "03_opt_multi_gpu_fsdp.py"])
+def test_the_loss_plot_of_a_short_run_has_legible_epoch_ticks(script, tmp_path, monkeypatch):
+    """A short run sees a fiftieth of an epoch: matplotlib's default ticks (0.0000, 0.0025, ...) ran into each
+    other under the plot. The labels of both x-axes must not overlap, whatever the run's length."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from conftest import load_stage
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self))
+    for epochs in (0.02, 5):  # a --tiny run of 50 steps; the default run's five epochs
+        log = [{"epochs_seen": epochs * i / 10, "tokens_seen": 256 * i, "train_loss": 10 - i / 5,
+                "val_loss": 10 - i / 6} for i in range(11)]
+        load_stage(script).plot_losses(log, tmp_path / "loss")
+    assert len(figures) == 4  # .pdf and .png of each
+    for figure in figures[::2]:
+        canvas = FigureCanvasAgg(figure)  # where the labels land, as the .png drew them
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        for axis in (figure.axes[0].xaxis, figure.axes[1].xaxis):
+            boxes = [label.get_window_extent(renderer) for label in axis.get_ticklabels()
+                     if label.get_visible() and label.get_text()]
+            boxes = [box for box in boxes if figure.bbox.contains(box.x0, box.y0) or figure.bbox.contains(box.x1,
+                                                                                                      box.y1)]
+            assert len(boxes) >= 3, [label.get_text() for label in axis.get_ticklabels()]
+            for left, right in zip(boxes, boxes[1:]):
+                assert left.x1 < right.x0, [label.get_text() for label in axis.get_ticklabels()]
