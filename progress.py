@@ -171,6 +171,9 @@ class TrainingProgress:
         yield
         if self.stop_signum:
             raise failures.Interrupted(self.stop_signum, self.step)
+        if not self.done:  # a --save-every checkpoint (the last one is named by the run's final lines)
+            print(f"Saved {self.args.out}/model.pth after step {self.step:06d} (--save-every {self.args.save_every})",
+                  flush=True)
         self.clock.start()
 
     def state(self):

@@ -53,6 +53,8 @@ def test_save_every_writes_checkpoints_during_the_run(tmp_path, small_text):
                         "--save-every", "5", "--eval-freq", "100")
     assert result.returncode == 0, result.stderr[-2000:]
     assert torch.load(out / "model.pth", weights_only=True)["step"] == 12
+    saved = [line for line in result.stdout.splitlines() if line.startswith("Saved ")]  # each save says so, not the last
+    assert saved == [f"Saved {out}/model.pth after step {step:06d} (--save-every 5)" for step in (4, 9)], saved
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
