@@ -306,7 +306,10 @@ def ratio_label(row):
 
 
 def reference_cells(row, settings):
-    """The reference tok/s and reserved GiB; where the row's batch is not the reference's, the cells say its batch."""
+    """The reference tok/s and reserved GiB; where the row's batch is not the reference's, the cells say its batch.
+    A --tiny table or another --model leaves them empty: the reference trained GPT-2 small at full size."""
+    if settings["tiny"] or settings.get("model", "gpt2-small") != "gpt2-small":
+        return "—", "—"
     reference = row["reference"]
     batch = row.get("batch_size")
     other_batch = (not settings["tiny"] and batch is not None and reference.get("batch_size") is not None
@@ -408,8 +411,8 @@ def render_markdown(report):
     lines += [
         f"Reference columns: the {report['reference_source']}; steps 0–7 are its `Avg tok/sec`, 8–11 its "
         "`Step tok/sec` at the end of epoch 1, reserved memory is `torch.cuda.memory_reserved()` after "
-        "epoch 1; it had no rung 12. Quoted, not measured here" + (f" — and {not_comparable}." if not_comparable
-                                                                     else ".")
+        "epoch 1; it had no rung 12. Quoted, not measured here" + (f"; left empty, as they are {not_comparable}."
+                                                                     if not_comparable else ".")
         + " They were taken at batch 8 for rungs 0–9 and 32 per GPU for 10–11: they compare only with a row of the "
         "same batch, and where --batch-size made a row's batch another, its reference cells name the batch they "
         "were taken at.",

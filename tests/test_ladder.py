@@ -709,6 +709,8 @@ def test_reference_cells_say_when_the_batch_is_not_theirs():
     assert report.reference_cells(row, settings) == ("142,156 (at batch 32)", "22.51 (at batch 32)")
     row = hand_made_rows({3: (100.0, 1.0)})["rung-03"]
     assert report.reference_cells(row, settings) == ("28,399", "26.24")
+    for other in ({"tiny": True}, {"tiny": False, "model": "gpt2-medium"}):  # full-size GPT-2 small's: not theirs
+        assert report.reference_cells(row, other) == ("—", "—")
 
 
 def test_a_roofline_for_the_same_gpu_adds_a_ceiling_column(tmp_path):
