@@ -279,6 +279,30 @@ def attach_ceilings(report, roofline):
 # The table
 # ---------------------------------------------------------------------------------------------
 
+UNSTEADY = 2  # timing windows whose tok/s differ by this factor: something else shared the machine
+APART = 0.1  # a --check-scripts run this far from its rung's tok/s: one of the two is off
+
+
+def unsteady(row):
+    """["unsteady: ..."] for a row whose fastest timing window was UNSTEADY times its slowest or more: a median of
+    such windows depends on what else ran (a shared CPU, another job on the GPU); [] for a steady one."""
+    slowest, fastest = row.get("tokens_per_sec_min"), row.get("tokens_per_sec_max")
+    if not slowest or not fastest or fastest < UNSTEADY * slowest:
+        return []
+    return [f"unsteady: its windows differ {fastest / slowest:.1f}x (other work on this machine?), so the median "
+            "may mislead: measure it again"]
+
+
+def check_notes(check):
+    """The notes of a --check-scripts row: unsteady windows, and a script and rung apart by more than APART."""
+    notes = unsteady(check)
+    ratio = check.get("script_over_rung")
+    if ratio and abs(ratio - 1) > APART:
+        notes.append(f"the script and its rung differ by {abs(ratio - 1):.0%}: the same code should time alike "
+                     f"(within {APART:.0%}), so one of the two ran slow: measure both again")
+    return notes
+
+
 def _number(value, digits=0, suffix=""):
     return "—" if value is None else f"{value:,.{digits}f}{suffix}"
 
@@ -363,7 +387,7 @@ def render_markdown(report):
                   f"{row['tokens_per_sec_min']:,.0f} – {row['tokens_per_sec_max']:,.0f}")
         above = (f"{row['speedup_vs_previous']:.2f}× rung {row['previous_rung']}" if row["speedup_vs_previous"]
                  else "—")
-        notes = list(row.get("notes") or [])
+        notes = list(row.get("notes") or []) + unsteady(row)
         if row["error"]:
             notes.insert(0, f"**failed:** {row['error']}")
         cells = [
@@ -432,7 +456,8 @@ def render_markdown(report):
                       f"{check['tokens_per_sec_min']:,.0f} – {check['tokens_per_sec_max']:,.0f}")
             lines.append(f"| {check['script']} | {_number(check['tokens_per_sec'])} | {spread} | {check['rung']} | "
                          f"{_number(check['rung_tokens_per_sec'])} | {_number(check['script_over_rung'], 2, '×')} | "
-                         + (f"**failed:** {check['error']}" if check["error"] else "") + " |")
+                         + "; ".join([f"**failed:** {check['error']}"] if check["error"] else check_notes(check))
+                         + " |")
         lines.append("")
     return "\n".join(lines)
 

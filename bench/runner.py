@@ -30,6 +30,7 @@ import failures
 import gpu_memory
 import timekeeping
 import utilization
+from bench import report
 from data import files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,22 +39,11 @@ LADDER = ROOT / "bench" / "ladder.py"
 # torchrun --standalone hands its workers this machine's fully qualified host name as MASTER_ADDR; where that name
 # does not resolve (containers, small VMs) the process group never starts. One machine needs only the loopback.
 SINGLE_NODE_TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1")
-UNSTEADY = 2  # windows whose tok/s differ by this factor: something else shared the machine
 REAL_VOCAB_SIZE = 50257  # GPT-2's tokenizer: MFU counts useful work, not the padded vocabulary rows
 
 # What a stage script's run folder keeps once the rung is measured: its checkpoint (2 GB at full size, far more
 # for the larger models) is only the price of running the script as it is.
 KEPT_FROM_SCRIPT_RUNS = ("metrics.json", "loss.png", "loss.pdf")
-
-
-def unsteady_note(timing):
-    """"; unsteady: ..." where the fastest timed window was UNSTEADY times the slowest or more: a median of such
-    windows depends on what else ran (a shared CPU, another job on the GPU); "" for steady ones."""
-    slowest, fastest = timing["tokens_per_sec_min"], timing["tokens_per_sec_max"]
-    if fastest < UNSTEADY * slowest:
-        return ""
-    return (f"; unsteady: its windows differ {fastest / max(slowest, 1e-9):.1f}x (other work on this machine?), "
-            "so the median may mislead: measure it again")
 
 
 def short_error(exc):
@@ -159,7 +149,8 @@ def run_rung_main(args):
             result["error"] = f"training broke: the loss is {timing['final_loss']} at the last step"
             result["final_loss"] = None  # JSON has no NaN
         say(f"median {timing['tokens_per_sec']:,.0f} tok/s (min {timing['tokens_per_sec_min']:,.0f}, "
-            f"max {timing['tokens_per_sec_max']:,.0f}), final loss {timing['final_loss']:.4f}{unsteady_note(timing)}")
+            f"max {timing['tokens_per_sec_max']:,.0f}), final loss {timing['final_loss']:.4f}"
+            + "".join(f"; {note}" for note in report.unsteady(timing)))
     except Exception as exc:  # any failure becomes the rung's row; the ladder goes on
         traceback.print_exc()
         result["error"] = short_error(exc)

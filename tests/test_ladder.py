@@ -229,10 +229,24 @@ def test_a_full_size_ladder_on_a_cpu_says_so_up_front():
     assert runner.cpu_note({"device_type": "cuda", "gpu_count": 1}, tiny=False) is None
 
 
-def test_a_rung_whose_windows_differ_twice_or_more_is_called_unsteady():
-    assert runner.unsteady_note({"tokens_per_sec_min": 450_000, "tokens_per_sec_max": 470_000}) == ""
-    note = runner.unsteady_note({"tokens_per_sec_min": 252, "tokens_per_sec_max": 6_582})
-    assert note.startswith("; unsteady: its windows differ 26.1x") and "measure it again" in note
+def test_a_rung_whose_windows_differ_twice_or_more_is_called_unsteady_in_its_table_row():
+    assert report.unsteady({"tokens_per_sec_min": 450_000, "tokens_per_sec_max": 470_000}) == []
+    (note,) = report.unsteady({"tokens_per_sec_min": 252, "tokens_per_sec_max": 6_582})
+    assert note.startswith("unsteady: its windows differ 26.1x") and "measure it again" in note
+    found = hand_made_rows({0: (300.0, 1.0), 1: (1_750.0, 1.0)})
+    found["rung-00"].update(tokens_per_sec_min=204.0, tokens_per_sec_max=713.0)  # a busy machine's windows
+    lines = report.render_markdown(report.collect(found)).splitlines()
+    assert "unsteady: its windows differ 3.5x" in next(line for line in lines if line.startswith("| 0 |"))
+    assert "unsteady" not in next(line for line in lines if line.startswith("| 1 |"))
+
+
+def test_a_script_check_far_from_its_rung_says_one_of_them_is_off():
+    steady = {"tokens_per_sec_min": 9_000, "tokens_per_sec_max": 9_500}
+    assert report.check_notes({**steady, "script_over_rung": 1.05}) == []
+    assert report.check_notes({**steady, "script_over_rung": None}) == []  # no rung to set it beside
+    (note,) = report.check_notes({**steady, "script_over_rung": 10.53})
+    assert note.startswith("the script and its rung differ by 953%") and "measure both again" in note
+    assert "differ by 20%" in report.check_notes({**steady, "script_over_rung": 0.80})[0]
 
 
 def test_a_script_run_keeps_no_checkpoint(tmp_path):
