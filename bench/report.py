@@ -376,7 +376,7 @@ def render_markdown(report):
         "",
         "| rung | change | tok/s (median) | min – max | × row above | × rung 0 | MFU | peak alloc. GiB "
         "| peak reserved GiB (warm-up's) | final loss | " + ("measured / ceiling | " if ceilings else "")
-        + ("predicted tok/s (measured / predicted) | " if predicted else "")
+        + ("predicted tok/s (error: predicted / measured - 1) | " if predicted else "")
         + "reference tok/s | reference reserved GiB | measured (UTC) | notes |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if ceilings else "")
         + ("---: | " if predicted else "")
@@ -405,7 +405,7 @@ def render_markdown(report):
         if predicted:
             forecast, measured = row.get("predicted_tok_per_sec"), row["tokens_per_sec"]
             cells.append("—" if forecast is None else f"{forecast:,.0f}" + (
-                f" ({100 * (measured / forecast - 1):+.0f}%)" if measured else ""))
+                f" ({100 * (forecast / measured - 1):+.0f}%)" if measured else ""))
         cells += [*reference_cells(row, settings), (row.get("measured_at") or "—")[:16],
                   "; ".join(notes).replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -427,7 +427,9 @@ def render_markdown(report):
         lines += [f"Measured / ceiling: the rung's median tok/s over the ceiling that cost_model/roofline.py modelled "
                   f"for it on the {ceilings['gpu']} (`{ceilings['path']}`)." + (
                       " Predicted: its cost_model/roofline.py --predict, a model fitted on " + ceilings["fitted_on"] +
-                      "; in brackets the measured rung's departure from it (a --profile shows which class departs)."
+                      "; in brackets its error, predicted / measured - 1 (+20%: predicted 20% faster than "
+                      "measured; the cost model's own measure), which a --profile of the rung places in a class of "
+                      "work."
                       if predicted else ""), ""]
     not_comparable = ("for the full-size model, so not comparable with a --tiny run" if tiny else
                       f"for gpt2-small, so not comparable with {settings['model']}"

@@ -466,7 +466,7 @@ def test_the_ladders_report_sets_each_prediction_beside_its_measured_rung(tmp_pa
     merged["device_name"] = "NVIDIA H100 80GB HBM3"
     found = report.find_roofline(tmp_path, None, merged["device_name"], merged["settings"])
     markdown = report.write_report(merged, tmp_path, found, chart=False)
-    assert "| predicted tok/s (measured / predicted) |" in markdown
-    assert "| 50% of 24,000 | 10,000 (+20%) |" in markdown and "| 30% of 90,000 | 30,000 (-10%) |" in markdown
+    assert "| predicted tok/s (error: predicted / measured - 1) |" in markdown  # the cost model's own measure
+    assert "| 50% of 24,000 | 10,000 (-17%) |" in markdown and "| 30% of 90,000 | 30,000 (+11%) |" in markdown
     assert "fitted on the X's ladder" in markdown
     assert json.loads((tmp_path / "ladder.json").read_text())["rungs"][0]["predicted_tok_per_sec"] == 10_000.0
