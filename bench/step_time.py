@@ -3,6 +3,7 @@
   python 01_opt_single_gpu.py --max-steps 20 --profile      # writes runs/01_opt_single_gpu/profile/*.json
   python bench/step_time.py runs/01_opt_single_gpu/profile/01_opt_single_gpu.pt.trace.json
   python bench/step_time.py TRACE --rung 10       # beside rung 10 of docs/roofline/<this GPU>/roofline.json
+  python bench/step_time.py bench/results/nvidia-h200/profile/01_opt_single_gpu.pt.trace.json.gz --rung 10
   python bench/step_time.py TRACE --roofline PATH --rung 10   # another roofline.json of cost_model/roofline.py
 
 It reads the trace that --profile wrote (steps 6-8 of the run, or the later ones it moved to), sorts every GPU
@@ -23,6 +24,7 @@ CPU run), or a roofline of another GPU or without that rung.
 """
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -42,8 +44,11 @@ TOP_KERNELS = 12
 
 
 def read_trace(path):
+    """The trace as json.load gives it; gzipped too (the traces shipped under bench/results/ are .json.gz)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"
+        with (gzip.open if gzipped else open)(path, "rt", encoding="utf-8") as f:
             trace = json.load(f)
     except OSError as err:
         raise UsageError(f"cannot read the trace {path}: {err.strerror or err}; --profile writes it under "

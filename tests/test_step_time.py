@@ -137,6 +137,19 @@ def test_step_time_finds_the_roofline_shipped_for_the_traces_gpu(tmp_path, capsy
     assert "roofline: docs/roofline/H100/roofline.json, rung 10" in out, out  # the repository's path, not the disk's
 
 
+def test_a_gzipped_trace_reads_as_the_trace_itself(tmp_path, capsys):
+    """The traces under bench/results/ are shipped gzipped: step_time reads them without a gunzip first."""
+    import gzip
+
+    path = write(tmp_path, two_step_trace())
+    zipped = tmp_path / "trace.json.gz"
+    zipped.write_bytes(gzip.compress(path.read_bytes()))
+    assert step_time.main([str(path), "--rung", "10"]) == 0
+    plain = capsys.readouterr().out
+    assert step_time.main([str(zipped), "--rung", "10"]) == 0
+    assert capsys.readouterr().out == plain and "| matmuls | 0.40 |" in plain
+
+
 def test_step_time_names_the_overlap_and_the_top_kernels(tmp_path, capsys):
     assert step_time.main([str(write(tmp_path, two_step_trace()))]) == 0
     out = capsys.readouterr().out
