@@ -339,7 +339,12 @@ def main(argv=None):
             found.append(f"{args.readme}: the results at a glance differ from what {args.results} gives")
         for line in found:
             print(line, file=sys.stderr)
-        if found:
+        shown = named_folder(text)
+        if found and shown and shown.resolve() != Path(args.folder).resolve():  # another GPU's folder: no rewrite
+            print(f"{args.page} shows {report.repository_path(shown)}, not {args.folder}: check that folder "
+                  f"(python bench/readme_tables.py {report.repository_path(shown)} --check); writing this one's "
+                  "figures would replace the page's GPU", file=sys.stderr)
+        elif found:
             print(f"to write the folder's figures: python bench/readme_tables.py {args.folder}", file=sys.stderr)
         return failures.EXIT_FAILED if found else failures.EXIT_OK
     Path(args.page).write_text(expected, encoding="utf-8")

@@ -3,6 +3,7 @@ command, never by hand, and the pages either show no GPU figure at all or exactl
 
 
 import json
+import shutil
 
 import pytest
 
@@ -90,8 +91,15 @@ def test_a_folder_fills_the_table_the_paragraph_and_the_results(folder, readme, 
     readme.write_text(text.replace("| 41,000, 30.00 (2.04×) |", "| 42,000, 30.00 (2.04×) |"), encoding="utf-8")
     capsys.readouterr()
     assert readme_tables.main([*pages(folder, readme), "--check"]) == 1
-    assert "step 2: the page shows '42,000, 30.00 (2.04×)', the folder gives '41,000, 30.00 (2.04×)'" in (
-        capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert "step 2: the page shows '42,000, 30.00 (2.04×)', the folder gives '41,000, 30.00 (2.04×)'" in err
+    assert f"to write the folder's figures: python bench/readme_tables.py {folder}" in err
+    other = folder.parent / "nvidia-y"  # another GPU's folder, checked against the page of nvidia-x
+    shutil.copytree(folder, other)
+    write_rows(other, hand_made_rows({**SPEEDS, 2: (43_000.0, 30.0)}))
+    assert readme_tables.main([*pages(other, readme), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"shows {folder}, not {other}: check that folder" in err and "to write the folder's" not in err, err
 
 
 def test_a_ladder_at_other_settings_is_refused(folder, readme, capsys):
