@@ -317,7 +317,8 @@ def report(memory, smallest_row_bytes=2**20):
                                                     if memory.donated else ""))
               + (f" + the gradients kept between the {memory.grad_accum_steps} micro-batches "
                  f"{_gib(memory.kept_gradient_bytes)}" if memory.kept_gradient_bytes else ""),
-              "(a model: the GPU's own figure is the Reserved memory line of a run, or the ladder's peak reserved)"]
+              "(a model of the tensors alive at the peak: on a GPU, compare the allocated figure of a run's Peak "
+              "memory line or the ladder's peak alloc.; reserved adds the allocator's slack to it)"]
     return "\n".join(lines)
 
 
