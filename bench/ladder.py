@@ -81,7 +81,9 @@ def parse_rungs(text):
         if not match:
             raise argparse.ArgumentTypeError(f"'{part}' is not a rung number or range (e.g. 0,8,10 or 0-7)")
         first, last = int(match[1]), int(match[2] or match[1])
-        if first > last or last not in ALL_RUNGS:
+        if first > last:
+            raise argparse.ArgumentTypeError(f"'{part.strip()}' counts down: a range goes up ({last}-{first})")
+        if last not in ALL_RUNGS:
             raise argparse.ArgumentTypeError(f"rungs go from {ALL_RUNGS[0]} to {ALL_RUNGS[-1]}, got '{part.strip()}'")
         chosen.update(range(first, last + 1))
     return sorted(chosen)

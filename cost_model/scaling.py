@@ -109,7 +109,8 @@ def main(argv=None):
         parser.error(f"--grad-accum-steps {args.grad_accum_steps}: whole numbers of at least 1, comma-separated")
     gpu = find_gpu(args.gpu)
     row = model_rung(10, gpu, model=args.model, batch_size=args.batch_size)
-    print(f"{args.model} on {args.gpus} x {args.gpu} ({args.link:g} GB/s link each way), micro-batch "
+    link = f"{args.link:g} GB/s link each way" if args.gpus > 1 else "no link: one GPU all-reduces nothing"
+    print(f"{args.model} on {args.gpus} x {args.gpu} ({link}), micro-batch "
           f"{args.batch_size} x {row['context_length']}")
     print("| accumulation steps | tokens per optimizer step, all GPUs | floor ms | all-reduce ms (exposed) "
           "| all-reduce bytes per token | ceiling tok/s, all GPUs | per GPU |")

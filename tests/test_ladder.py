@@ -266,8 +266,9 @@ def test_rung_selection_parsing():
     assert ladder.parse_rungs("0,8,10") == [0, 8, 10]
     assert ladder.parse_rungs("0-2, 10") == [0, 1, 2, 10]
     assert ladder.parse_rungs("all") == list(range(13))
-    for wrong in ("13", "3-1", "x"):
-        with pytest.raises(argparse.ArgumentTypeError):
+    for wrong, says in (("13", "rungs go from 0 to 12"), ("3-1", "counts down: a range goes up (1-3)"),
+                        ("x", "not a rung number or range")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
             ladder.parse_rungs(wrong)
     assert report.rung_ranges([0, 1, 2, 5, 11, 12]) == "0–2, 5, 11–12"
 
