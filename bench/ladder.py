@@ -320,8 +320,13 @@ def run_ladder(args):
             break
         durations.append(time.monotonic() - started)
         seconds_by_kind.setdefault(job.kind, []).append(durations[-1])
-        if result.pop("timed_out", None) == "--time-limit" and done:  # stopped at the limit; the first run of a
-            left = planned[index - 1:]  # command keeps its failed row instead: no command would ever measure it
+        at_the_limit = result.pop("timed_out", None) == "--time-limit"
+        if at_the_limit and not done:  # the part's first run keeps its failed row: no command would ever measure it
+            print(f"--time-limit {args.time_limit} s: {job.label.split(':')[0]}, this part's first run, was stopped "
+                  f"at the limit after {plan.format_duration(durations[-1])}: its row says so; where the runs of "
+                  "the next part take as long, give it a longer --time-limit", flush=True)
+        if at_the_limit and done:  # stopped at the limit: the next part starts with it
+            left = planned[index - 1:]
             print(f"--time-limit {args.time_limit} s: {job.label.split(':')[0]} was stopped at the limit after "
                   f"{plan.format_duration(durations[-1])}, longer than judged: no row; it starts the next part, with "
                   "the whole limit to itself", flush=True)

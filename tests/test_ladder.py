@@ -1017,7 +1017,10 @@ def test_a_rung_that_outlasts_its_judgement_is_stopped_at_the_limit_and_starts_t
     rows = {row["rung"]: row for row in json.loads((out / "ladder.json").read_text())["rungs"]}
     assert sorted(rows) == [0, 1, 2] and rows[2]["error"] == "timed out after 400 s (--time-limit)"
     assert "timed_out" not in rows[2]
-    assert "--rungs 3-4 --tiny --time-limit 400" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "--rungs 3-4 --tiny --time-limit 400" in printed
+    assert "rung 2, this part's first run, was stopped at the limit after 6:40" in printed  # and a longer limit
+    assert "give it a longer --time-limit" in printed
 
     fake_clock.now, timeouts[:] = 0.0, []  # without --time-limit, --rung-timeout as before
     assert ladder.main(["--rungs", "0", "--tiny", "--out", str(out)]) == 0
