@@ -72,7 +72,7 @@ def build_parser():
                         help=f"the stages' tiny model, {TINY_STEPS} steps each: a smoke test on a CPU")
     parser.add_argument("--runs", default=",".join(RUNS),
                         help=f"which runs, comma-separated (default: all: {','.join(RUNS)}); 01-warm needs 01-cold; "
-                             f"'{MISSING}': those the folder's stages.json has no row for (the same command again "
+                             f"'{MISSING}': those the folder's rows/ holds no row for (the same command again "
                              "goes on where the last one stopped)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="passed to every stage (default: auto)")
