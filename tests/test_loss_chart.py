@@ -45,6 +45,7 @@ def test_the_picture_is_a_small_png_and_its_labels_carry_the_runs_figures(drawn)
     label = loss_chart.label(runs["01-warm"])
     assert "batch 32" in label and "bf16" in label and f"{runs['01-warm']['metrics']['avg_tok_per_sec']:,.0f}" in label
     assert loss_chart.title(list(runs.values())) == "NVIDIA H200, PyTorch 2.11.0+cu130, 2026-11-26"
+    assert loss_chart.tokens(7_209_984) == "7.2M" and loss_chart.tokens(25_600) == "25,600"  # a --tiny run's: not 0.0M
 
 
 def test_the_readme_s_picture_is_committed_and_small():
