@@ -299,8 +299,10 @@ def main():
     write_outputs(table, out)
     print(f"{table['gpu']}: {table['model']}, context {table['context_length']:,} tokens, "
           + (f"batch {args.batch_size} for every rung" if args.batch_size else "each rung's own batch"))
-    for row in table["rungs"] + table.get("predicted_one_gpu_rungs", []):
-        print((f"rung {row['rung']:2d} {row['change']:<44} " + (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling "
+    rows = table["rungs"] + table.get("predicted_one_gpu_rungs", [])
+    width = max(len(row["change"]) for row in rows)  # the longest change sets the column, rung 5's included
+    for row in rows:
+        print((f"rung {row['rung']:2d} {row['change']:<{width}} " + (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling "
                f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s, " if "floor_seconds" in row else " " * 44) + (
                f"predicted {row['predicted_tok_per_sec']:>9,.0f} tok/s" if args.predict else "")).rstrip(", "))
     if args.predict:
