@@ -232,9 +232,9 @@ def readme_table(tables):
         f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, they "
         f"missed rungs' tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
         f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}; a step's gain can miss by more (H200 "
-        f"step {step}: {predicted_gain:.2f}x predicted, {measured_gain:.2f}x measured). Runs must fit: 01 "
-        "reserved up to 18.1 GiB in its warm-up, rungs 0-4 26.3 (batch 8). Other "
-        "generations: extrapolated; T4, V100: fp16; GeForce: TF32's peak is float32's, step 2 buys nothing. "
+        f"step {step}: {predicted_gain:.2f}x predicted, {measured_gain:.2f}x measured). Runs must fit (else a "
+        "lower `--batch-size`): 01 reserved up to 18.1 GiB in its warm-up, rungs 0-4 26.3 (batch 8). Other "
+        "generations extrapolated; T4, V100: fp16; GeForce: no TF32 gain (step 2). "
         "[Method](docs/roofline.md#predictions-for-your-gpu).",
         width=118, break_on_hyphens=False)
     return "\n".join(lines)
