@@ -161,9 +161,9 @@ def build_parser(description, settings, tiny_settings):
     parser.add_argument("--profile", action="store_true",
                         help=f"profile training steps {profiled} to {profiled + inspection.PROFILE_ACTIVE - 1} "
                              "(counted from 0, as in the log; later, where an evaluation, a checkpoint or an epoch's "
-                             "end would fall among them: 7 to 9 with --tiny) with torch.profiler, the ones before warm up and "
-                             "compile: a trace under <out>/profile/ and a table of the top operators; those steps "
-                             "are left out of tok/s")
+                             "end would fall among them: 7 to 9 with --tiny) with torch.profiler, the ones before "
+                             "warm up and compile: a trace under <out>/profile/ and a table of the top operators; "
+                             "those steps are left out of tok/s")
     parser.add_argument("--memory-snapshot", action="store_true",
                         help=f"CUDA only: record the caching allocator's history over the first "
                              f"{inspection.SNAPSHOT_STEPS} steps into <out>/memory_snapshot.pickle (open it on "

@@ -31,9 +31,6 @@ import gpu_memory
 import timekeeping
 import utilization
 
-SHARDED_FOLDER = checkpoints.SHARDED_FOLDER  # beside model.pth
-
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: every rank its shard (DCP), rank 0 the full weights
 # ---------------------------------------------------------------------------------------------
@@ -47,7 +44,7 @@ def save_checkpoint(model, optimizer, checkpoint, path):
 
 def _save_checkpoint(model, optimizer, checkpoint, path):
     path = Path(path).absolute()
-    parent = path.parent / SHARDED_FOLDER
+    parent = path.parent / checkpoints.SHARDED_FOLDER
     folder = [None]
     if dist.get_rank() == 0:  # a folder no earlier model.pth can name, so an interrupted save spoils nothing
         name, number = f"step-{checkpoint['step']:06d}", 1
@@ -70,7 +67,7 @@ def _save_checkpoint(model, optimizer, checkpoint, path):
         return
     checkpoint = {**checkpoint, "model": full_weights, "world_size": dist.get_world_size(),
                   "optimizer": None,  # AdamW's state is sharded: it lives in the folder below
-                  "sharded_state": f"{SHARDED_FOLDER}/{folder.name}"}  # relative to model.pth's folder
+                  "sharded_state": f"{checkpoints.SHARDED_FOLDER}/{folder.name}"}  # relative to model.pth's folder
     checkpoints.save_torch(checkpoint, path)
     for old in parent.iterdir():  # earlier saves, and what an interrupted save left
         if old != folder:
@@ -103,8 +100,7 @@ def load_checkpoint(model, optimizer, setup, steps_per_epoch):
     the ranks the checkpoint had with their own random state, new ones with a fresh one.
     """
     checkpoint, args, world_size = setup.resume, setup.args, dist.get_world_size()
-    checkpoints.check_sharded_state(args.resume, checkpoint)  # as when --resume opened it (a checkpoint without the key)
-    folder = Path(args.resume).parent / checkpoint["sharded_state"]
+    folder = Path(args.resume).parent / checkpoint["sharded_state"]  # checked when --resume opened the checkpoint
     saved_world_size = int(checkpoint.get("world_size", world_size))
     if saved_world_size != world_size:
         saved = checkpoint["settings"]

@@ -181,7 +181,8 @@ def measure(run, device_name, steps, warmup, layers, compiled):
 def table(results, args):
     """The median process of each run (by its step time), with the range of all its processes' step times."""
     lines = [f"Host time per step, in ms (each process: the median of {args.steps} steps after {args.warmup}; "
-             f"{args.repeats} process{'es' if args.repeats > 1 else ''} per run), on {args.device}, PyTorch {results[0]['torch']}: the stages' "
+             f"{args.repeats} process{'es' if args.repeats > 1 else ''} per run), on {args.device}, "
+             f"PyTorch {results[0]['torch']}: the stages' "
              f"GPTModel with {args.layers} blocks 64 wide, vocabulary {SMALL['vocab_size']}, batch {BATCH} x "
              f"{SMALL['context_length']} tokens{'' if args.compile else ', eager (--no-compile)'}", "",
              "| run | step (all processes) | " + " | ".join(PHASES) + " | step / 01's | notes |",

@@ -336,8 +336,7 @@ def reference_cells(row, settings):
         return "—", "—"
     reference = row["reference"]
     batch = row.get("batch_size")
-    other_batch = (not settings["tiny"] and batch is not None and reference.get("batch_size") is not None
-                   and batch != reference["batch_size"])
+    other_batch = batch is not None and reference.get("batch_size") is not None and batch != reference["batch_size"]
     suffix = f" (at batch {reference['batch_size']})" if other_batch and reference["tokens_per_sec"] else ""
     return _number(reference["tokens_per_sec"]) + suffix, _number(reference["reserved_gb"], 2) + suffix
 

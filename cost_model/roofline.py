@@ -302,9 +302,10 @@ def main():
     rows = table["rungs"] + table.get("predicted_one_gpu_rungs", [])
     width = max(len(row["change"]) for row in rows)  # the longest change sets the column, rung 5's included
     for row in rows:
-        print((f"rung {row['rung']:2d} {row['change']:<{width}} " + (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling "
-               f"{row['ceiling_tok_per_sec']:>9,.0f} tok/s, " if "floor_seconds" in row else " " * 44) + (
-               f"predicted {row['predicted_tok_per_sec']:>9,.0f} tok/s" if args.predict else "")).rstrip(", "))
+        floor = (f"floor {_ms(row['floor_seconds']):>8} ms, ceiling {row['ceiling_tok_per_sec']:>9,.0f} tok/s, "
+                 if "floor_seconds" in row else " " * 44)
+        predicted = f"predicted {row['predicted_tok_per_sec']:>9,.0f} tok/s" if args.predict else ""
+        print(f"rung {row['rung']:2d} {row['change']:<{width}} {floor}{predicted}".rstrip(", "))
     if args.predict:
         print("Predicted: " + prediction_words(table))
     print(f"Wrote {out}/roofline.md, roofline.png and roofline.json in {time.perf_counter() - started:.1f} s")

@@ -53,7 +53,7 @@ def test_save_every_writes_checkpoints_during_the_run(tmp_path, small_text):
                         "--save-every", "5", "--eval-freq", "100")
     assert result.returncode == 0, result.stderr[-2000:]
     assert torch.load(out / "model.pth", weights_only=True)["step"] == 12
-    saved = [line for line in result.stdout.splitlines() if line.startswith("Saved ")]  # each save says so, not the last
+    saved = [line for line in result.stdout.splitlines() if line.startswith("Saved ")]  # each save but the last
     assert saved == [f"Saved {out}/model.pth after step {step:06d} (--save-every 5)" for step in (4, 9)], saved
 
 
