@@ -98,18 +98,11 @@ def resharding_blocks(fully_shard):
     return wrapped
 
 
-def root_only(fully_shard, root):
-    """fully_shard for `root` alone: 03's calls for its blocks leave them to the root's one unit."""
-    def wrapped(module, **options):
-        return fully_shard(module, **options) if module is root else module
-    return wrapped
-
-
 def measure(run, device_name, steps, warmup, layers, compiled):
     """One run, in this process: the stage's model, wrapped as the stage wraps it; milliseconds per phase."""
     import torch
     import torch.distributed as dist
-    from bench.rungs import load_stage
+    from bench.rungs import load_stage, whole_model_unit
 
     stage = load_stage(RUNS[run])
     if not compiled:
@@ -129,7 +122,7 @@ def measure(run, device_name, steps, warmup, layers, compiled):
             stage.fully_shard = resharding_blocks(stage.fully_shard)
             notes = "each block gathers its weights again for its backward"
         if run == "03-one-unit":  # the root's unit holds every parameter (FSDP2 keeps a root's gathered to backward)
-            stage.fully_shard = root_only(stage.fully_shard, model)
+            stage.fully_shard = whole_model_unit(stage.fully_shard)
             notes = "FSDP2's unit on the whole model alone, not on each block"
         if run == "03-unsharded":  # shard_model's per-block compile, without the sharding (and its bf16 policy)
             stage.fully_shard = lambda module, **options: module

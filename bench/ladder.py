@@ -130,8 +130,8 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=123, help="random seed of every rung (default: 123)")
     parser.add_argument("--out", help="results folder; parts measured into one folder make one table (default: "
                                       "bench/results/<gpu or cpu name>/, with a -<model> suffix for a model other "
-                                      "than gpt2-small, -context-N under --context-length, -<option> for each "
-                                      "--option and -tiny under --tiny)")
+                                      "than gpt2-small, -batch-N under --batch-size, -context-N under "
+                                      "--context-length, -<option> for each --option and -tiny under --tiny)")
     parser.add_argument("--roofline", metavar="PATH",
                         help=f"cost_model/roofline.py's {report.ROOFLINE_NAME} for this GPU: a measured / ceiling column "
                              "(default: the one in the results folder, if it models the same GPU)")
@@ -207,6 +207,7 @@ def results_folder(args, device_info):
     if args.out:
         return Path(args.out)
     name = device_info["slug"] + (f"-{args.model}" if args.model != "gpt2-small" else "") + (
+        f"-batch-{args.batch_size}" if args.batch_size else "") + (
         f"-context-{args.context_length}" if args.context_length else "") + "".join(
         f"-{option}" for option in sorted(args.option)) + ("-tiny" if args.tiny else "")
     return ROOT / "bench" / "results" / name

@@ -79,6 +79,10 @@ OPTIONS = {
                              "torch._inductor.config.allow_buffer_reuse = False: with reuse, Inductor (PyTorch 2.14.1, "
                              "CPU) gave wrong gradients from two blocks on; without, exact ones. A row counts only "
                              "where tests/gpu/test_compile_options.py passed on the same PyTorch",
+    "fsdp-one-unit": "03 (rung 12) with FSDP2 on the whole model alone, not on each block: one unit, so one "
+                     "gather, one reduce-scatter and one set of hooks a step where 03 has thirteen. At one process "
+                     "the shards are the whole weights either way; at more, the whole model is gathered at once "
+                     "(what 03's per-block units cost the host; bench/host_time.py's 03-one-unit)",
     "expandable-segments": "PYTORCH_ALLOC_CONF=expandable_segments:True in the rung's environment: the CUDA "
                            "caching allocator grows a segment in place instead of reserving new fixed-size ones, so "
                            "reserved memory stays closer to allocated (the same tensors, less fragmentation)",
@@ -96,7 +100,8 @@ ALL_RUNGS = range(0, 13)
 # settings of PyTorch below in their own processes (bench/script_with_options.py starts them so, under torchrun).
 OPTION_RUNGS = {**{name: SINGLE_PROCESS_RUNGS for name in OPTIONS},
                 **{name: ALL_RUNGS for name in ("grad-accum", "expandable-segments", "max-autotune",
-                                                "coordinate-descent", "memory-budget", "cuda-graphs")}}
+                                                "coordinate-descent", "memory-budget", "cuda-graphs")},
+                "fsdp-one-unit": range(12, 13)}
 SCRIPT_OPTIONS = {name for name, numbers in OPTION_RUNGS.items() if set(numbers) & {11, 12}}
 SCRIPT_SETTINGS = SCRIPT_OPTIONS - {"grad-accum", "expandable-segments"}  # applied in the script's process
 
@@ -134,6 +139,9 @@ def apply_options(names):
         elif name == "nested-compile-region":  # compose() marks the block; here the setting its gradients need
             import torch._inductor.config as inductor_config
             inductor_config.allow_buffer_reuse = False
+        elif name == "fsdp-one-unit":  # before 03 imports fully_shard from the package
+            import torch.distributed.fsdp as fsdp
+            fsdp.fully_shard = whole_model_unit(fsdp.fully_shard)
         elif name == "memory-budget":
             import torch._functorch.config as functorch_config
             functorch_config.activation_memory_budget = MEMORY_BUDGET
@@ -144,6 +152,14 @@ def apply_options(names):
             torch.backends.cuda.enable_cudnn_sdp(True)
         else:
             raise ValueError(f"unknown option {name!r}; the options are {', '.join(OPTIONS)}")
+
+
+def whole_model_unit(fully_shard):
+    """fully_shard for the whole model alone (the module holding the blocks): 03's calls for its blocks leave them to
+    that one unit."""
+    def wrapped(module, **options):
+        return fully_shard(module, **options) if hasattr(module, "trf_blocks") else module
+    return wrapped
 
 
 def option_environment(names):

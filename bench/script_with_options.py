@@ -1,9 +1,10 @@
 """Run a stage script with some of the ladder's options switched on in its own process.
 
 Rungs 11 and 12 are 02 and 03 as they are, under torchrun. An option that is a setting of PyTorch (a configuration
-of its compiler: bench/rungs.py's SCRIPT_SETTINGS) has to be set inside each of the script's processes, before the
-script compiles anything, so the ladder starts this file in the script's place: it switches the options on, then
-runs the script as `python SCRIPT FLAGS` would (as `__main__`, with its own sys.argv):
+of its compiler, or FSDP2's fully_shard replaced: bench/rungs.py's SCRIPT_SETTINGS) has to be set inside each of the
+script's processes, before the script imports or compiles anything, so the ladder starts this file in the script's
+place: it switches the options on, then runs the script as `python SCRIPT FLAGS` would (as `__main__`, with its own
+sys.argv):
 
   torchrun --standalone --nproc_per_node=1 bench/script_with_options.py --option cuda-graphs \\
       02_opt_multi_gpu_ddp.py --max-steps 50

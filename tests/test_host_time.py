@@ -77,11 +77,14 @@ def test_03_resharded_makes_the_blocks_free_their_weights_after_the_forward():
     assert calls == [("block", {"mesh": "m", "reshard_after_forward": True}), ("model", {"mesh": "m"})]
 
 
-def test_03_one_unit_shards_the_root_alone_and_leaves_the_blocks_to_it():
-    from bench import host_time
+def test_03_one_unit_shards_the_whole_model_alone_and_leaves_the_blocks_to_it():
+    """host_time's 03-one-unit and the ladder's --option fsdp-one-unit: the module holding the blocks is the unit."""
+    from types import SimpleNamespace
 
-    calls, root = [], object()
-    shard = host_time.root_only(lambda module, **options: calls.append((module, options)) or module, root)
+    from bench.rungs import whole_model_unit
+
+    calls, model = [], SimpleNamespace(trf_blocks=[])
+    shard = whole_model_unit(lambda module, **options: calls.append((module, options)) or module)
     assert shard("block", mesh="m", reshard_after_forward=False) == "block"  # a block: no unit of its own
-    shard(root, mesh="m")
-    assert calls == [(root, {"mesh": "m"})]
+    shard(model, mesh="m")
+    assert calls == [(model, {"mesh": "m"})]

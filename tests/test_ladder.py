@@ -503,8 +503,8 @@ def test_options_switch_on_what_they_name_and_nothing_else(monkeypatch):
                                   backends.enable_math_sdp, backends.enable_cudnn_sdp), saved[2:]):
             enable(value)
     assert sorted(rungs.OPTIONS) == ["chunked-loss", "coordinate-descent", "cuda-graphs", "cudnn-attention",
-                                     "expandable-segments", "fused-loss", "grad-accum", "max-autotune",
-                                     "memory-budget", "nested-compile-region", "no-dropout"]
+                                     "expandable-segments", "fsdp-one-unit", "fused-loss", "grad-accum",
+                                     "max-autotune", "memory-budget", "nested-compile-region", "no-dropout"]
 
 
 ALLOWED = 1e-4  # compiled against eager, of each parameter's largest gradient entry (float32 reordered: ~1e-6)
@@ -668,14 +668,16 @@ def test_the_scripts_take_the_settings_of_pytorch_through_a_launcher_and_nothing
 def test_the_launcher_runs_the_script_as_main_with_its_flags_and_the_settings_on(tmp_path):
     script = tmp_path / "stage.py"
     script.write_text("import sys, torch._dynamo, torch._inductor.config as inductor\n"
+                      "from torch.distributed.fsdp import fully_shard\n"  # as 03 imports it
                       "if __name__ == '__main__':\n"
+                      "    block = object()\n"  # not the whole model: fsdp-one-unit leaves it to the model's unit
                       "    print(sys.argv[1:], inductor.max_autotune, inductor.triton.cudagraphs,"
-                      " sys.path[0] == sys.argv[0].rsplit('/', 1)[0])\n", encoding="utf-8")
+                      " sys.path[0] == sys.argv[0].rsplit('/', 1)[0], fully_shard(block) is block)\n", encoding="utf-8")
     command = [sys.executable, str(runner.ROOT / "bench" / "script_with_options.py"), "--option", "max-autotune",
-               "--option", "cuda-graphs", str(script), "--max-steps", "3"]
+               "--option", "cuda-graphs", "--option", "fsdp-one-unit", str(script), "--max-steps", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] True True True", done.stdout
+    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] True True True True", done.stdout
 
 
 def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):
@@ -1191,6 +1193,8 @@ def test_the_context_length_is_recorded_in_the_settings_and_a_part_at_another_is
     args.argv = ["--context-length", "2048", "--rungs", "6-7"]
     assert ladder.context_of(args, device_info)["settings"]["context_length"] == 2048
     assert ladder.results_folder(args, device_info).name == "nvidia-x-context-2048"
+    args.batch_size = 8  # a part at another batch goes beside the stages' own batch's folder, not into it
+    assert ladder.results_folder(args, device_info).name == "nvidia-x-batch-8-context-2048"
     found = hand_made_rows({6: (100.0, 1.0)})  # measured without the flag: the stages' own context
     here = hand_made_context()
     here["settings"]["context_length"] = 2048
