@@ -726,8 +726,10 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
     for entry in classes.values():
         entry["share"] = entry["floor_seconds"] / floor
     tokens = rung.batch_size * rung.cfg["context_length"]
+    change = rungs.CHANGES[number] + (f" (none here: --batch-size {batch_size} for every rung)"
+                                      if number == 10 and batch_size is not None else "")
     return {
-        "rung": number, "change": rungs.CHANGES[number], "batch_size": rung.batch_size,
+        "rung": number, "change": change, "batch_size": rung.batch_size,
         "context_length": rung.cfg["context_length"], "tokens_per_step": tokens, "vocab_size": rung.cfg["vocab_size"],
         "precision": rung.precision, "compiled": rung.compiled,
         "flops": sum(entry["flops"] for entry in classes.values()),

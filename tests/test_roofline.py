@@ -470,3 +470,10 @@ def test_the_ladders_report_sets_each_prediction_beside_its_measured_rung(tmp_pa
     assert "| 50% of 24,000 | 10,000 (-17%) |" in markdown and "| 30% of 90,000 | 30,000 (+11%) |" in markdown
     assert "fitted on the X's ladder" in markdown
     assert json.loads((tmp_path / "ladder.json").read_text())["rungs"][0]["predicted_tok_per_sec"] == 10_000.0
+
+
+def test_with_a_batch_size_for_every_rung_rung_10_says_it_changes_nothing():
+    """--batch-size N gives rung 10 rung 9's batch: its label must not promise a larger one."""
+    row = step_model.model_rung(10, step_model.find_gpu("H100"), batch_size=8)
+    assert row["batch_size"] == 8
+    assert row["change"] == f"{rungs.CHANGES[10]} (none here: --batch-size 8 for every rung)"
