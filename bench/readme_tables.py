@@ -231,8 +231,34 @@ def glance_table(folders):
         if 0 in rungs and 10 in rungs:
             speedups.append(f"{rungs[10]['tokens_per_sec'] / rungs[0]['tokens_per_sec']:.2f}x on the {gpu}")
     paths = ", ".join(f"`{report.repository_path(folder)}`" for folder, _, _ in folders)
-    lines += ["", f"01 over 00, steady state: {'; '.join(speedups)}. From {paths} (bench/ladder.py, bench/stages.py)."]
+    lines += ["", f"01 over 00, steady state: {'; '.join(speedups)}. From {paths} (bench/ladder.py, bench/stages.py)."
+              + bytecode_note(folders)]
     return "\n".join(lines)
+
+
+def listed(names):
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+
+
+def bytecode_note(folders):
+    """Which whole runs imported PyTorch from its cached bytecode and which compiled it from source (seconds more of
+    start-up: docs/measuring.md), as each run recorded it; runs that did not record it are left out."""
+    said = []
+    for _, ladder, stages in folders:
+        runs = {True: [], False: []}
+        for row in (stages or {}).get("runs", []):
+            flag = (row.get("wall_clock_s") or {}).get("imports compiled from source")
+            if flag is not None:
+                runs[flag].append(row["run"])
+        gpu = ladder["device_name"].removeprefix("NVIDIA ")
+        said += [f"the {gpu}'s {listed(runs[flag])} {how}" for flag, how in (
+            (False, "imported PyTorch from its cached bytecode"), (True, "compiled PyTorch's Python from source"))
+            if runs[flag]]
+    if not said:
+        return ""
+    return (f" Start-up: {'; '.join(said)} (other runs did not record it; without the cache it takes seconds more: "
+            "[docs/measuring.md](docs/measuring.md#reading-the-log)).")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,3 +139,18 @@ def test_the_ceilings_table_sets_each_step_beside_its_ceiling():
     assert "| 2 |" not in table and "| 11 |" not in table  # failed; not a step of the table
     no_ceilings = {"device_name": "NVIDIA X", "rungs": [{**row, "ceiling_tok_per_sec": None} for row in rows]}
     assert readme_tables.ceilings_table(no_ceilings) == readme_tables.CEILINGS_PLACEHOLDER
+
+
+def test_the_glance_note_says_which_whole_runs_had_pytorchs_bytecode_cached():
+    """A run that compiled PyTorch's Python from source started seconds slower: the note names it, and says nothing of
+    runs that did not record it."""
+    def run(name, flag):
+        return {"run": name, "wall_clock_s": {} if flag is None else {"imports compiled from source": flag}}
+
+    folders = [(None, {"device_name": "NVIDIA H100"}, {"runs": [run("00", None), run("01-cold", False),
+                                                                 run("01-warm", False), run("02", True)]}),
+               (None, {"device_name": "NVIDIA H200"}, {"runs": [run("01-warm", None)]})]
+    note = readme_tables.bytecode_note(folders)
+    assert note.startswith(" Start-up: the H100's 01-cold and 01-warm imported PyTorch from its cached bytecode; the "
+                           "H100's 02 compiled PyTorch's Python from source (other runs did not record it")
+    assert "H200" not in note and readme_tables.bytecode_note(folders[1:]) == ""
