@@ -75,7 +75,8 @@ OPTIONS = {
                    "kernel (rungs 8-12, which compile)",
     "nested-compile-region": "torch.compiler.nested_compile_region on TransformerBlock.forward: torch.compile "
                              "traces and compiles one block and reuses that code for the others (what it buys is "
-                             "compile time, a cold start's largest part; rungs 8-10), with "
+                             "compile time, a cold start's largest part; rungs 8-11, and the stage runs of "
+                             "bench/stages.py), with "
                              "torch._inductor.config.allow_buffer_reuse = False: with reuse, Inductor (PyTorch 2.14.1, "
                              "CPU) gave wrong gradients from two blocks on; without, exact ones. A row counts only "
                              "where tests/gpu/test_compile_options.py passed on the same PyTorch",
@@ -101,9 +102,16 @@ ALL_RUNGS = range(0, 13)
 OPTION_RUNGS = {**{name: SINGLE_PROCESS_RUNGS for name in OPTIONS},
                 **{name: ALL_RUNGS for name in ("grad-accum", "expandable-segments", "max-autotune",
                                                 "coordinate-descent", "memory-budget", "cuda-graphs")},
+                "nested-compile-region": range(0, 12),  # not 03's: it compiles each block on its own
                 "fsdp-one-unit": range(12, 13)}
 SCRIPT_OPTIONS = {name for name, numbers in OPTION_RUNGS.items() if set(numbers) & {11, 12}}
 SCRIPT_SETTINGS = SCRIPT_OPTIONS - {"grad-accum", "expandable-segments"}  # applied in the script's process
+# Of those, the ones that change the script's code, not only PyTorch's settings: bench/script_with_options.py applies
+# them once the script has defined its classes, before its main() runs (mark_code).
+SCRIPT_CODE_OPTIONS = {"nested-compile-region"}
+# The options of bench/stages.py's runs of 01 and 02 (whole runs, as a user starts them): what rung 11 takes, except
+# grad-accum, which would change the runs' batches.
+STAGE_OPTIONS = sorted(name for name in SCRIPT_OPTIONS if 11 in OPTION_RUNGS[name] and name != "grad-accum")
 
 
 def option_rungs(names):
@@ -152,6 +160,13 @@ def apply_options(names):
             torch.backends.cuda.enable_cudnn_sdp(True)
         else:
             raise ValueError(f"unknown option {name!r}; the options are {', '.join(OPTIONS)}")
+
+
+def mark_code(module, names):
+    """The options of `names` that change a stage's code (SCRIPT_CODE_OPTIONS), on the classes `module` defines:
+    nested-compile-region makes TransformerBlock.forward a region that torch.compile traces once for every block."""
+    if "nested-compile-region" in names:
+        module.TransformerBlock.forward = torch.compiler.nested_compile_region(module.TransformerBlock.forward)
 
 
 def whole_model_unit(fully_shard):
@@ -408,7 +423,7 @@ def compose(number, device, tiny, seed=123, model="gpt2-small", batch_size=None,
             notes.append(f"no effect here: {name} replaces 01's forward_and_loss, and this rung's loss is 00's")
     if "nested-compile-region" in options:  # on the class of this rung's own copy of 01, before it compiles
         if number >= 8:
-            stage01.TransformerBlock.forward = torch.compiler.nested_compile_region(stage01.TransformerBlock.forward)
+            mark_code(stage01, ["nested-compile-region"])
         else:
             notes.append("no effect here: nested-compile-region changes what torch.compile does, from rung 8 on")
     if number < 5:

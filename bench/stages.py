@@ -25,6 +25,11 @@ command's time (torchrun's start included), the Avg tok/sec, MFU and memory of e
 stages.md (the tables), stages.json (the numbers), rows/ and logs/<run>.log, and keeps each run's metrics.json and
 loss plots under runs/<run>/ (the checkpoints are deleted: 2 GB each at full size).
 
+With `--option NAME` (one of the ladder's options that the stage scripts take: bench/rungs.py's STAGE_OPTIONS),
+the runs of 01 and 02 start through bench/script_with_options.py, which switches the option on in their process,
+and go to a folder of their own (bench/results/<gpu>-<option>/stages/): what a lever does to a whole run, its
+compilation included, beside the plain runs of the stages' folder. 00 compiles nothing and takes no option.
+
 Exit code 0 when every run finished, 1 when one failed (its row says how; its log has the rest), 2 for a
 wrong command line, 130 on Ctrl-C.
 """
@@ -47,6 +52,7 @@ import failures
 import timekeeping
 from bench import rows  # noqa: E402
 from bench.rows import MISSING  # noqa: E402
+from bench.rungs import OPTIONS, STAGE_OPTIONS, option_environment  # noqa: E402
 from bench.runner import (SINGLE_NODE_TORCHRUN, Stopped, cpu_note, describe_device, drop_checkpoints,  # noqa: E402
                           failure_from_output, git_revision, nvidia_driver, run_streaming, start_run_folder,
                           stop_on_signals)
@@ -62,7 +68,8 @@ RUNS = {
 }
 TINY_STEPS = 12  # --tiny: every run stops there (with an evaluation every 4 steps)
 PHASES = timekeeping.WALL_CLOCK_PHASES
-MATCHED = {"device_name": "GPU", "torch": "PyTorch", "cuda": "CUDA", "tiny": "--tiny"}  # rows of one table share these
+# What the rows of one table share: {context key: its name for a user}
+MATCHED = {"device_name": "GPU", "torch": "PyTorch", "cuda": "CUDA", "tiny": "--tiny", "options": "--option"}
 
 
 def build_parser():
@@ -70,20 +77,30 @@ def build_parser():
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help=f"the stages' tiny model, {TINY_STEPS} steps each: a smoke test on a CPU")
-    parser.add_argument("--runs", default=",".join(RUNS),
-                        help=f"which runs, comma-separated (default: all: {','.join(RUNS)}); 01-warm needs 01-cold; "
+    parser.add_argument("--runs", help=f"which runs, comma-separated (default: all: {','.join(RUNS)}; with --option, "
+                                       "all but 00); 01-warm needs 01-cold; "
                              f"'{MISSING}': those the folder's rows/ holds no row for (the same command again "
                              "goes on where the last one stopped)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="passed to every stage (default: auto)")
     parser.add_argument("--out", help="results folder (default: bench/results/<gpu or cpu name>/stages/, "
-                                      "-tiny appended to the device's folder under --tiny)")
+                                      "-<option> for each --option and -tiny under --tiny appended to the "
+                                      "device's folder)")
+    parser.add_argument("--option", action="append", default=[], choices=STAGE_OPTIONS, metavar="NAME",
+                        help="switch on one of the ladder's options in the runs of 01 and 02 (repeatable; "
+                             f"{', '.join(STAGE_OPTIONS)}: bench/README.md says what each does); the runs go "
+                             "to a folder of their own")
     parser.add_argument("--run-timeout", type=cli.whole_number(1), default=1200, metavar="SECONDS",
                         help="stop a run that takes longer than this (default: 1200)")
     return parser
 
 
-def chosen_runs(text):
+def runs_taking(options):
+    """The runs a command with --option `options` may start: all of them without options; else those that compile."""
+    return [name for name in RUNS if not options or name != "00"]
+
+
+def chosen_runs(text, options=()):
     if text.strip() == MISSING:
         return MISSING
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -91,21 +108,27 @@ def chosen_runs(text):
     if unknown or not names:
         raise failures.UsageError(f"--runs {text}: unknown {', '.join(unknown) or 'empty list'}; the runs are "
                                 f"{', '.join(RUNS)}, or {MISSING}")
+    if options and "00" in names:
+        raise failures.UsageError(f"--runs 00 with --option: 00 compiles nothing and takes no option; the runs with "
+                                  f"options are {', '.join(runs_taking(options))}")
     if "01-warm" in names and "01-cold" not in names:
         raise failures.UsageError("--runs: 01-warm reuses the compile cache that 01-cold fills: name both")
     return [name for name in RUNS if name in names]  # in their own order: cold before warm
 
 
 def command_of(name, args, run_dir):
-    """(the command as a user types it, the command this script starts) for run `name`."""
+    """(the command as a user types it, the command this script starts) for run `name`; with options, the script
+    started through bench/script_with_options.py, which switches them on first."""
     typed, flags, _ = RUNS[name]
     if args.tiny:
         flags = ("--tiny", "--max-steps", str(TINY_STEPS), "--eval-freq", "4")
     flags = (*flags, *(("--device", args.device) if args.device != "auto" else ()))
-    shown = ("python", *typed, *flags) if typed[0] != "torchrun" else (*typed, *flags)
+    options = tuple(part for option in args.option for part in ("--option", option))
+    script = ("bench/script_with_options.py", *options, typed[-1]) if options else typed[-1:]
+    shown = ("python", *script, *flags) if typed[0] != "torchrun" else (*typed[:-1], *script, *flags)
     launcher = ([sys.executable, *SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
                 if typed[0] == "torchrun" else [sys.executable])
-    return shlex.join(shown), [*launcher, ROOT / typed[-1], *flags, "--out", run_dir]
+    return shlex.join(shown), [*launcher, ROOT / script[0], *script[1:], *flags, "--out", run_dir]
 
 
 def measure(name, args, out):
@@ -115,7 +138,8 @@ def measure(name, args, out):
     cache = out / "compile-cache" / RUNS[name][2]
     if name != "01-warm":  # cold: not even what a run of this script cut off before its cleanup left behind
         shutil.rmtree(cache, ignore_errors=True)
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+           **option_environment(args.option)}
     start_run_folder(run_dir)
     print(f"[{name}] $ {shown}", flush=True)
     started = time.monotonic()
@@ -219,20 +243,28 @@ def render_markdown(report):
                       f"PyTorch {report['torch']}, CUDA {report['cuda'] or '-'}, driver {report['driver'] or '-'}, "
                       f"Python {report['python']}; measured by " + "; then ".join(
                           f"`{part['command']}` ({part['date']}, commit {part['git'] or '-'}: "
-                          f"{', '.join(part['runs'])})" for part in report["parts"]), "", *tables(report)]) + "\n"
+                          f"{', '.join(part['runs'])})" for part in report["parts"]), "", *options_note(report),
+                      *tables(report)]) + "\n"
 
 
-def missing_runs(found):
+def options_note(report):
+    """The options every run of the table had switched on, each with what it does (bench/rungs.py's OPTIONS)."""
+    names = (report.get("options") or "").split(",") if report.get("options") else []
+    return [f"With `--option {name}`: {OPTIONS[name]}." for name in names] + [""] * bool(names)
+
+
+def missing_runs(found, options=()):
     """--runs missing: the runs without a row (a failed run keeps its row: name it to run it again), 01-cold with
-    01-warm, whose cache it fills in the same command."""
-    names = [name for name in RUNS if name not in found]
+    01-warm, whose cache it fills in the same command; with options, not 00."""
+    names = [name for name in runs_taking(options) if name not in found]
     return [name for name in RUNS if name in names or name == "01-cold" and "01-warm" in names]
 
 
 def collect(found):
     """stages.json's report from the folder's rows: the header of the newest row, the commands, the runs in order."""
     newest = max(found.values(), key=lambda row: row["context"]["command"]["started_at"])["context"]
-    return {**{key: newest[key] for key in ("device", "device_name", "torch", "cuda", "driver", "python", "tiny")},
+    return {**{key: newest.get(key) for key in ("device", "device_name", "torch", "cuda", "driver", "python", "tiny",
+                                                "options")},
             "parts": [{"command": command["command"], "date": command["started_at"], "git": command["git"],
                        "runs": [name for name in RUNS if name in command["rows"]]}
                       for command in rows.commands(found)],
@@ -251,14 +283,16 @@ def render(out):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    args.option = sorted(set(args.option))  # each once, in one order: the folder's name and the rows' context
+    args.runs = args.runs or ",".join(runs_taking(args.option))
     try:
-        names = chosen_runs(args.runs)
+        names = chosen_runs(args.runs, args.option)
         device_info = describe_device(args)
-        out = Path(args.out) if args.out else (ROOT / "bench" / "results" / (device_info["slug"] + (
-            "-tiny" if args.tiny else "")) / "stages")
+        out = Path(args.out) if args.out else (ROOT / "bench" / "results" / (device_info["slug"] + "".join(
+            f"-{option}" for option in args.option) + ("-tiny" if args.tiny else "")) / "stages")
         context = {"device": device_info["description"], "device_name": device_info["name"],
                    "torch": device_info["torch"], "cuda": device_info["cuda"], "driver": nvidia_driver(),
-                   "python": device_info["python"], "tiny": args.tiny,
+                   "python": device_info["python"], "tiny": args.tiny, "options": ",".join(args.option) or None,
                    "command": {"started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
                                "command": shlex.join(["python", "bench/stages.py",
                                                       *(argv if argv is not None else sys.argv[1:])]),
@@ -266,7 +300,7 @@ def main(argv=None):
         found = rows.read_rows(out, "stages.json")
         rows.refuse_a_different_part(found, context, MATCHED, out, "runs")
         if names == MISSING:
-            names = missing_runs(found)
+            names = missing_runs(found, args.option)
             if not names:
                 print(f"--runs missing: nothing left to run: {out / rows.FOLDER} holds every run")
                 return failures.EXIT_OK

@@ -643,6 +643,7 @@ def test_an_option_stays_on_the_rungs_that_take_it(flags, message, tmp_path, cap
     (("no-dropout",), range(11)),  # the model's config: the composed rungs only
     (("max-autotune", "grad-accum"), range(13)),  # a setting of PyTorch and a flag: the scripts take both
     (("cuda-graphs", "chunked-loss"), range(11)),
+    (("nested-compile-region",), range(12)),  # 02 too (through the launcher), not 03, which compiles its blocks
 ])
 def test_an_options_rungs_are_those_that_take_every_option_named(options, rungs):
     parsed = ladder.build_parser().parse_args(["--tiny", *(part for name in options for part in ("--option", name))])
@@ -661,23 +662,55 @@ def test_the_scripts_take_the_settings_of_pytorch_through_a_launcher_and_nothing
         launcher, "--option", "cuda-graphs", "--option", "max-autotune", "02.py"]
     assert script_with_options.split_command(["--option", "cuda-graphs", "02.py", "--option", "x"]) == (
         ["cuda-graphs"], "02.py", ["--option", "x"])  # the script's own flags stay its own
-    with pytest.raises(SystemExit, match="no-dropout is no setting a stage script takes"):
+    with pytest.raises(SystemExit, match="no-dropout is no option a stage script takes"):
         script_with_options.main(["--option", "no-dropout", "02.py"])
 
 
 def test_the_launcher_runs_the_script_as_main_with_its_flags_and_the_settings_on(tmp_path):
+    """The settings before the script's imports; nested-compile-region, which changes the script's code, on the class
+    its body defined, before its `__main__` block builds anything from it."""
     script = tmp_path / "stage.py"
     script.write_text("import sys, torch._dynamo, torch._inductor.config as inductor\n"
                       "from torch.distributed.fsdp import fully_shard\n"  # as 03 imports it
+                      "class TransformerBlock:\n"
+                      "    def forward(self, x):\n"
+                      "        return x\n"
                       "if __name__ == '__main__':\n"
                       "    block = object()\n"  # not the whole model: fsdp-one-unit leaves it to the model's unit
                       "    print(sys.argv[1:], inductor.max_autotune, inductor.triton.cudagraphs,"
-                      " sys.path[0] == sys.argv[0].rsplit('/', 1)[0], fully_shard(block) is block)\n", encoding="utf-8")
+                      " sys.path[0] == sys.argv[0].rsplit('/', 1)[0], fully_shard(block) is block,"
+                      " 'compile_region' in TransformerBlock.forward.__qualname__, inductor.allow_buffer_reuse,"
+                      " sys.modules['__main__'].TransformerBlock is TransformerBlock)\n", encoding="utf-8")
     command = [sys.executable, str(runner.ROOT / "bench" / "script_with_options.py"), "--option", "max-autotune",
-               "--option", "cuda-graphs", "--option", "fsdp-one-unit", str(script), "--max-steps", "3"]
+               "--option", "cuda-graphs", "--option", "fsdp-one-unit", "--option", "nested-compile-region",
+               str(script), "--max-steps", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] True True True True", done.stdout
+    assert done.stdout.split("\n")[-2] == "['--max-steps', '3'] True True True True True False True", done.stdout
+
+
+def test_a_script_without_a_main_block_takes_no_option_that_changes_its_code(tmp_path):
+    """Its code would run before the option could mark anything: refused, with the reason, and nothing run."""
+    from bench import script_with_options
+
+    script = tmp_path / "stage.py"
+    script.write_text("class TransformerBlock:\n    def forward(self, x):\n        return x\nprint('ran')\n")
+    with pytest.raises(SystemExit, match="does not end with an `if __name__ == \"__main__\":` block"):
+        script_with_options.run_as_main(script, ["nested-compile-region"])
+
+
+@pytest.mark.parametrize("stage", ["01_opt_single_gpu.py", "02_opt_multi_gpu_ddp.py"])
+def test_the_stages_that_take_nested_compile_region_mark_their_block_with_it(stage):
+    """What the launcher does to 01 and 02 (rung 11 and bench/stages.py's runs): their block's forward becomes the
+    nested region; each ends with the `__main__` block that the launcher runs after marking it."""
+    import ast
+    from bench import script_with_options
+
+    module = rungs.load_stage(stage)
+    rungs.mark_code(module, ["nested-compile-region"])
+    assert "compile_region" in module.TransformerBlock.forward.__qualname__
+    tree = ast.parse((runner.ROOT / stage).read_text(encoding="utf-8"))
+    assert script_with_options.is_main_block(tree.body[-1])
 
 
 def test_an_option_reaches_the_rung_and_names_its_folder(tmp_path, small_text):

@@ -39,15 +39,55 @@ def test_01_cold_then_warm_compile_cache_and_the_tables(tmp_path):
 
 
 def test_the_commands_are_the_ones_a_user_types(tmp_path):
-    args = Namespace(tiny=False, device="auto")
+    args = Namespace(tiny=False, device="auto", option=[])
     shown, command = stages.command_of("02", args, tmp_path / "02")
     assert shown == "torchrun --standalone --nproc_per_node=1 02_opt_multi_gpu_ddp.py"
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=1" in command
     assert "--standalone" in command and "--local-addr=127.0.0.1" in command  # no host name to resolve
     assert command[-2:] == ["--out", tmp_path / "02"]
-    shown, command = stages.command_of("00", Namespace(tiny=False, device="cuda"), tmp_path / "00")
+    shown, command = stages.command_of("00", Namespace(tiny=False, device="cuda", option=[]), tmp_path / "00")
     assert shown == "python 00_orig.py --max-steps 200 --device cuda"
     assert command[0] == sys.executable and str(command[1]).endswith("00_orig.py")
+
+
+def test_an_option_starts_the_compiled_runs_through_the_launcher_into_a_folder_of_their_own(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """--option: 01 and 02 start through bench/script_with_options.py (shown so in the table), with the option's
+    environment; their rows go to <gpu>-<option>/stages/, whose table says what the option does; 00 is refused."""
+    args = Namespace(tiny=False, device="auto", option=["nested-compile-region"])
+    shown, command = stages.command_of("02", args, tmp_path / "02")
+    assert shown == ("torchrun --standalone --nproc_per_node=1 bench/script_with_options.py --option "
+                     "nested-compile-region 02_opt_multi_gpu_ddp.py")
+    launcher = command.index(ROOT / "bench" / "script_with_options.py")
+    assert command[launcher + 1:launcher + 4] == ["--option", "nested-compile-region", "02_opt_multi_gpu_ddp.py"]
+    shown, command = stages.command_of("01-cold", args, tmp_path / "01")
+    assert shown == "python bench/script_with_options.py --option nested-compile-region 01_opt_single_gpu.py"
+    assert command[:2] == [sys.executable, ROOT / "bench" / "script_with_options.py"]
+
+    seen = {}
+
+    def fake_run(command, log_path, timeout, env):
+        seen[log_path.stem] = (command, env)
+        return 1, ["a fake run"]
+
+    monkeypatch.setattr(stages, "run_streaming", fake_run)
+    monkeypatch.setattr(stages, "ROOT", tmp_path)  # the default folder, bench/results/<device>-<options>/stages
+    assert stages.main(["--device", "cpu", "--option", "expandable-segments", "--option",
+                        "nested-compile-region"]) == 1  # every fake run failed
+    assert sorted(seen) == ["01-cold", "01-warm", "02"]  # all but 00
+    command, env = seen["01-warm"]
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert command[2:6] == ["--option", "expandable-segments", "--option", "nested-compile-region"]
+    [out] = (tmp_path / "bench" / "results").iterdir()
+    assert out.name.endswith("-expandable-segments-nested-compile-region")
+    table = (out / "stages" / "stages.md").read_text()
+    assert "With `--option nested-compile-region`: torch.compiler.nested_compile_region on" in table, table
+    assert json.loads((out / "stages" / "rows" / "02.json").read_text())["context"]["options"] == (
+        "expandable-segments,nested-compile-region")
+    assert stages.main(["--device", "cpu", "--option", "nested-compile-region", "--runs", "01-cold,00"]) == 2
+    assert "00 compiles nothing and takes no option" in capsys.readouterr().err
+    assert stages.missing_runs({}, ["nested-compile-region"]) == ["01-cold", "01-warm", "02"]
+    assert stages.missing_runs({}) == list(stages.RUNS)
 
 
 def test_only_01_warm_finds_a_filled_cache(tmp_path, monkeypatch):
@@ -61,7 +101,7 @@ def test_only_01_warm_finds_a_filled_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stages, "run_streaming", fake_run)
     (out / "logs").mkdir(parents=True)
-    args = Namespace(tiny=True, device="cpu", run_timeout=10)
+    args = Namespace(tiny=True, device="cpu", run_timeout=10, option=[])
     for name in ("01-cold", "01-warm", "02"):
         left_over = out / "compile-cache" / stages.RUNS[name][2] / "inductor" / f"before-{name}"
         left_over.mkdir(parents=True)
