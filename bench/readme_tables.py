@@ -244,7 +244,7 @@ def listed(names):
 def bytecode_note(folders):
     """Which whole runs imported PyTorch from its cached bytecode and which compiled it from source (seconds more of
     start-up: docs/measuring.md), as each run recorded it; runs that did not record it are left out."""
-    said = []
+    cached, from_source = [], []
     for _, ladder, stages in folders:
         runs = {True: [], False: []}
         for row in (stages or {}).get("runs", []):
@@ -252,13 +252,15 @@ def bytecode_note(folders):
             if flag is not None:
                 runs[flag].append(row["run"])
         gpu = ladder["device_name"].removeprefix("NVIDIA ")
-        said += [f"the {gpu}'s {listed(runs[flag])} {how}" for flag, how in (
-            (False, "imported PyTorch from its cached bytecode"), (True, "compiled PyTorch's Python from source"))
-            if runs[flag]]
-    if not said:
+        cached += [f"the {gpu}'s {listed(runs[False])}"] if runs[False] else []
+        from_source += [f"the {gpu}'s {listed(runs[True])}"] if runs[True] else []
+    if not cached and not from_source:
         return ""
-    return (f" Start-up: {'; '.join(said)} (other runs did not record it; without the cache it takes seconds more: "
-            "[docs/measuring.md](docs/measuring.md#reading-the-log)).")
+    said = [f"PyTorch's bytecode (its `.pyc` files) was cached for {'; '.join(cached)}"] if cached else []
+    said += [f"{'not' if cached else 'PyTorch had no bytecode cache'} for {'; '.join(from_source)}, whose imports "
+             "compiled its Python first"] if from_source else []
+    return (f" Start-up: {', '.join(said)}; without that cache imports take seconds more "
+            "([docs/measuring.md](docs/measuring.md#reading-the-log)). The other runs did not record it.")
 
 
 # ---------------------------------------------------------------------------------------------

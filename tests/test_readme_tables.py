@@ -151,6 +151,10 @@ def test_the_glance_note_says_which_whole_runs_had_pytorchs_bytecode_cached():
                                                                  run("01-warm", False), run("02", True)]}),
                (None, {"device_name": "NVIDIA H200"}, {"runs": [run("01-warm", None)]})]
     note = readme_tables.bytecode_note(folders)
-    assert note.startswith(" Start-up: the H100's 01-cold and 01-warm imported PyTorch from its cached bytecode; the "
-                           "H100's 02 compiled PyTorch's Python from source (other runs did not record it")
+    assert note.startswith(" Start-up: PyTorch's bytecode (its `.pyc` files) was cached for the H100's 01-cold and "
+                           "01-warm, not for the H100's 02, whose imports compiled its Python first; without that "
+                           "cache imports take seconds more"), note
+    assert note.endswith("The other runs did not record it.")
+    only_from_source = readme_tables.bytecode_note([(None, {"device_name": "NVIDIA H100"}, {"runs": [run("02", True)]})])
+    assert only_from_source.startswith(" Start-up: PyTorch had no bytecode cache for the H100's 02, whose imports")
     assert "H200" not in note and readme_tables.bytecode_note(folders[1:]) == ""
