@@ -78,7 +78,8 @@ OPTIONS = {
                              "compile time, a cold start's largest part; rungs 8-11, and the stage runs of "
                              "bench/stages.py), with "
                              "torch._inductor.config.allow_buffer_reuse = False: with reuse, Inductor (PyTorch 2.14.1, "
-                             "CPU) gave wrong gradients from two blocks on; without, exact ones. A row counts only "
+                             "CPU) gave wrong gradients from two blocks on (2.11.0's were exact either way); without, exact "
+                             "ones. A row counts only "
                              "where tests/gpu/test_compile_options.py passed on the same PyTorch",
     "fsdp-one-unit": "03 (rung 12) with FSDP2 on the whole model alone, not on each block: one unit, so one "
                      "gather, one reduce-scatter and one set of hooks a step where 03 has thirteen. At one process "

@@ -77,10 +77,10 @@ def build_parser():
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help=f"the stages' tiny model, {TINY_STEPS} steps each: a smoke test on a CPU")
-    parser.add_argument("--runs", help=f"which runs, comma-separated (default: all: {','.join(RUNS)}; with --option, "
-                                       "all but 00); 01-warm needs 01-cold; "
-                             f"'{MISSING}': those the folder's rows/ holds no row for (the same command again "
-                             "goes on where the last one stopped)")
+    parser.add_argument("--runs",
+                        help=f"which runs, comma-separated (default: all: {','.join(RUNS)}; with --option, all but "
+                             f"00); 01-warm needs 01-cold; '{MISSING}': those the folder's rows/ holds no row for (the "
+                             "same command again goes on where the last one stopped)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="passed to every stage (default: auto)")
     parser.add_argument("--out", help="results folder (default: bench/results/<gpu or cpu name>/stages/, "
