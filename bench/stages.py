@@ -52,7 +52,6 @@ import failures
 import timekeeping
 from bench import rows  # noqa: E402
 from bench.rows import MISSING  # noqa: E402
-from bench.rungs import OPTIONS, STAGE_OPTIONS, option_environment  # noqa: E402
 from bench.runner import (SINGLE_NODE_TORCHRUN, Stopped, cpu_note, describe_device, drop_checkpoints,  # noqa: E402
                           failure_from_output, git_revision, nvidia_driver, run_streaming, start_run_folder,
                           stop_on_signals)
@@ -73,6 +72,8 @@ MATCHED = {"device_name": "GPU", "torch": "PyTorch", "cuda": "CUDA", "tiny": "--
 
 
 def build_parser():
+    from bench.rungs import STAGE_OPTIONS  # here, not at the top: the tables (bench/readme_tables.py) need no torch
+
     parser = cli.OneLineParser(prog="bench/stages.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
@@ -138,6 +139,8 @@ def measure(name, args, out):
     cache = out / "compile-cache" / RUNS[name][2]
     if name != "01-warm":  # cold: not even what a run of this script cut off before its cleanup left behind
         shutil.rmtree(cache, ignore_errors=True)
+    from bench.rungs import option_environment
+
     env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
            **option_environment(args.option)}
     start_run_folder(run_dir)
@@ -249,8 +252,12 @@ def render_markdown(report):
 
 def options_note(report):
     """The options every run of the table had switched on, each with what it does (bench/rungs.py's OPTIONS)."""
-    names = (report.get("options") or "").split(",") if report.get("options") else []
-    return [f"With `--option {name}`: {OPTIONS[name]}." for name in names] + [""] * bool(names)
+    if not report.get("options"):
+        return []
+    from bench.rungs import OPTIONS
+
+    names = report["options"].split(",")
+    return [f"With `--option {name}`: {OPTIONS[name]}." for name in names] + [""]
 
 
 def missing_runs(found, options=()):

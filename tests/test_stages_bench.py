@@ -225,3 +225,11 @@ def test_sigterm_stops_the_run_in_progress_with_everything_it_started(tmp_path):
         assert not (out / "runs" / "02").exists()  # never started
     finally:
         process.kill()
+
+
+def test_the_tables_import_no_torch():
+    """bench/readme_tables.py renders the README's tables from bench/stages.py's functions on any machine, quickly:
+    importing either must not import PyTorch (the options' module, which does, is imported where a run needs it)."""
+    probe = "import sys, bench.readme_tables, bench.stages; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
