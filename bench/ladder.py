@@ -39,7 +39,6 @@ import argparse
 import json
 import re
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -309,8 +308,8 @@ def run_ladder(args):
                   f"{plan.format_duration(elapsed + expected)} (elapsed {plan.format_duration(elapsed)}, a run of its "
                   f"kind about {plan.format_duration(expected)}): {plan.describe_left(left)} not started", flush=True)
             break
-        remaining = len(planned) - index + 1
-        estimate = (f"~{plan.format_duration(statistics.mean(durations) * remaining)} left" if durations
+        seconds_left = plan.seconds_left(planned[index - 1:], seconds_by_kind)
+        estimate = (f"~{plan.format_duration(seconds_left)} left" if seconds_left is not None
                     else "time left: known after the first run")
         print(f"[{index}/{len(planned)}] {job.label} | elapsed {plan.format_duration(elapsed)}, {estimate}", flush=True)
         started = time.monotonic()

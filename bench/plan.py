@@ -63,6 +63,14 @@ def expected_seconds(kind, seconds_by_kind):
     return max(seconds_by_kind[kind]) if kind in seconds_by_kind else 2 * longest
 
 
+def seconds_left(jobs_left, seconds_by_kind):
+    """How long the jobs not yet run should take, each judged as expected_seconds judges it: a compiled rung as long
+    as the compiled rungs before it, not as the eager ones (None before the command's first run)."""
+    if not seconds_by_kind:
+        return None
+    return sum(expected_seconds(job.kind, seconds_by_kind) for job in jobs_left)
+
+
 def past_the_limit(time_limit, elapsed, expected):
     """Whether a run expected to take `expected` seconds, started `elapsed` seconds into the command, would end after
     --time-limit (never for the command's first run, when nothing says how long a run takes)."""

@@ -932,6 +932,10 @@ def test_time_limit_helpers():
     seen = {"eager": [50.0, 70.0]}
     assert plan.expected_seconds("eager", seen) == 70.0  # the longest of its kind
     assert plan.expected_seconds("compiled", seen) == 140.0  # none of its kind yet: twice the longest
+    kinds = [plan.Job(str(n), "", kind, n, None, "") for n, kind in enumerate(["eager", "compiled", "compiled"])]
+    assert plan.seconds_left(kinds, {}) is None
+    assert plan.seconds_left(kinds, seen) == 70.0 + 2 * 140.0  # each job by its own kind, not by the mean run
+    assert plan.seconds_left(kinds[1:], {**seen, "compiled": [100.0]}) == 200.0
     assert report.rung_ranges([0, 1, 2, 5, 8, 9], dash="-", separator=",") == "0-2,5,8-9"
     args = ladder.resolve_defaults(ladder.build_parser().parse_args(["--rungs", "8-10", "--check-scripts"]))
     left = plan.jobs(args, {}, missing=False)
@@ -1000,6 +1004,7 @@ def test_a_time_limit_starts_no_rung_that_would_end_after_it_and_prints_the_rest
     printed = capsys.readouterr().out
     measured = json.loads((out / "ladder.json").read_text())
     assert [row["rung"] for row in measured["rungs"]] == [0, 1, 2, 3, 4, 5] and not checked
+    assert "[2/13] rung 1" in printed and "elapsed 1:00, ~16:00 left" in printed  # 8 eager runs at 60 s, 4 at 120
     assert "rung 6 would end at about 7:00" in printed
     assert "rungs 6–10 and the --check-scripts runs not started" in printed
     assert ("the rest of this part is rungs 6–10 and the --check-scripts runs; measure it with:\n  python "
