@@ -3,13 +3,15 @@
   python cost_model/roofline.py --gpu "RTX 4090" --predict   # any GPU of the peak table, with a prediction per rung
   python cost_model/prediction.py                           # the README's table of predictions (--check: exit 1 if stale)
 
-Each op's floor (cost_model/step_model.py) falls in one of five kinds of work by what bounds it, each reaching its own
-share of the data sheet: matmuls on CUDA cores (float32) and on tensor cores, of their peak; FlashAttention, of the
-16-bit peak; eager and compiled (fused) memory-bound kernels, of the bandwidth. Each kernel launched adds a fixed gap.
-These six numbers per GPU generation, never one per rung, are fitted by least squares of relative errors (shares at
-most 1) on a ladder's rungs (11 and 12 on one GPU do rung 10's step) and its profile of rung 10, whose GPU time per
-class parts what grows together from step 8 on (matmuls, FlashAttention, fused kernels). Another GPU keeps them;
-its data sheet sets the floors. Only Hopper has a ladder (the H200's): another generation is an extrapolation.
+Each op's floor (cost_model/step_model.py) falls in one of six kinds of work by what bounds it, each reaching its own
+share of the data sheet: matmuls on CUDA cores (float32) and on tensor cores, of their peak, and apart from these the
+tensor-core matmuls with a dimension not a multiple of 16 bytes (the 50,257-wide head before step 9 pads it);
+FlashAttention, of the 16-bit peak; eager and compiled (fused) memory-bound kernels, of the bandwidth. Each kernel
+launched adds a fixed gap. These seven numbers per GPU generation, never one per rung, are fitted by least squares of
+relative errors (shares at most 1) on a ladder's rungs (11 and 12 on one GPU do rung 10's step) and its profile of
+rung 10, whose GPU time per class parts what grows together from step 8 on (matmuls, FlashAttention, fused kernels).
+Another GPU keeps them; its data sheet sets the floors. Only Hopper has a ladder (the H200's): another generation is
+an extrapolation.
 """
 
 import argparse
@@ -36,14 +38,15 @@ RESULTS = ROOT / "bench" / "results"
 # The ladder each generation's efficiencies are fitted on: its folder (rows/ and profile/) and the GPU it ran on.
 FITS = {"Hopper": ("nvidia-h200", "H200")}
 PROFILED_RUNG = 10  # profile/ holds a trace of 01_opt_single_gpu.py as it is
-PROFILED_PARTS = {"matmul": (0, 1), "attention": (2,), "memory": (3, 4)}  # profile's classes: indices of SHARES
+PROFILED_PARTS = {"matmul": (0, 1, 5), "attention": (2,), "memory": (3, 4)}  # profile's classes: indices of SHARES
 GENERATIONS = ((r"V100", "Volta"), (r"T4\b", "Turing"), (r"A100|A10\b|RTX 30|RTX A6000", "Ampere"),  # oldest first
                (r"L40S|L4\b|RTX 40", "Ada"), (r"H100|H200|H800", "Hopper"), (r"B200|GB200", "Blackwell"))
 SHARES = {"CUDA-core matmuls": "of the fp32 peak", "tensor-core matmuls": "of the peak of their precision",
           "FlashAttention": "of the 16-bit peak", "eager memory-bound kernels": "of the bandwidth",
-          "compiled memory-bound kernels": "of the bandwidth"}  # each kind of work: what its share is of
+          "compiled memory-bound kernels": "of the bandwidth",
+          "unaligned tensor-core matmuls": "of the peak of their precision"}  # each kind of work: what it is a share of
 SHARE_OF = {"fp32 matmul": 0, "tf32 matmul": 1, "bf16 matmul": 1, "fp16 matmul": 1, "flash": 2, "traffic": 3,
-            "fused traffic": 4}
+            "fused traffic": 4, "unaligned matmul": 5}
 ONE_GPU_RUNGS = {11: "DDP on one GPU", 12: "FSDP2 on one GPU"}  # rung 10's step, under 02's and 03's code
 README_GPUS = ("RTX 3090", "RTX 4090", "A10", "L4", "T4", "V100", "A100", "H100", "H200")
 README, README_BLOCK = ROOT / "README.md", ("<!-- predictions: cost_model/prediction.py writes this table -->",
@@ -227,7 +230,7 @@ def readme_table(tables):
                                                 range(1, 11)) + f" | {found[10]:,.0f} |")
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
-        "and six numbers fitted on the H200's measurements (shares of the peak, a cost per launch). On the H100 "
+        "and seven numbers fitted on the H200's measurements (shares of the peak, a cost per launch). On the H100 "
         "(rungs "
         f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, they "
         f"missed rungs' tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "

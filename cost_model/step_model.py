@@ -52,13 +52,13 @@ choice); dropout masks are always saved. Matmuls, attention and the optimizer's 
 full, as in eager mode. This is an estimate: Inductor may split a run into several kernels (a large reduction
 such as the loss over 50,304 columns reads its input more than once) or fuse across a matmul as an epilogue.
 
-What the floor leaves out, all of which make a measured step slower: kernel launch gaps and Python overhead
-between kernels; matmuls below peak at these shapes (wave quantization, tile edges: step 9's padding exists for
-that); eager elementwise kernels below peak bandwidth; FlashAttention below the matmul peak; the batch's copy to
-the GPU and the gradient scaler's small kernels (on fp16 GPUs the fused AdamW unscales as it reads). One thing
-goes the other way: all traffic is counted at HBM bandwidth, and a small eager tensor that stays in the L2 cache
-(40-50 MB; one layer's activations at batch 8 are 12-25 MB) costs less. So the floor is a model, checked against
-published measurements (tests/test_roofline.py), not a proof.
+What the floor leaves out, all of which make a measured step slower: kernel launch gaps and Python overhead between
+kernels; matmuls below peak at these shapes (wave quantization, tile edges; cost_model/prediction.py gives those
+step 9 pads to 16 bytes a share of their own); eager elementwise kernels below peak bandwidth; FlashAttention below
+the matmul peak; the batch's copy to the GPU and the gradient scaler's small kernels (on fp16 GPUs the fused AdamW
+unscales as it reads). One thing goes the other way: all traffic is counted at HBM bandwidth, and a small eager
+tensor that stays in the L2 cache (40-50 MB; one layer's activations at batch 8 are 12-25 MB) costs less. So the
+floor is a model, checked against published measurements (tests/test_roofline.py), not a proof.
 
 Rungs whose ops are the same are counted once (rung 2 is rung 1 with another matmul peak, rung 8 is rung 7's ops
 under the fusion model); the whole table takes 6-11 s on a 2-core CPU.
@@ -108,7 +108,8 @@ MOVES_ONLY = {"_to_copy", "copy_", "clone", "cat", "stack", "embedding", "zeros_
               "arange"}  # copies and fills: bytes, no arithmetic
 SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"}
 # What bounds an op's floor (cost_model/prediction.py): matmuls at their peak, FlashAttention, eager or fused traffic.
-BOUNDS = ("fp32 matmul", "tf32 matmul", "bf16 matmul", "fp16 matmul", "flash", "traffic", "fused traffic")
+BOUNDS = ("fp32 matmul", "tf32 matmul", "bf16 matmul", "fp16 matmul", "flash", "traffic", "fused traffic",
+          "unaligned matmul")  # the last: tensor-core matmuls with a dimension not a multiple of 16 bytes (step 9)
 RANDOM_MASKS = {"native_dropout": 1}  # output index of the random mask: saved, never recomputed, when compiled
 
 # CUDA autocast's policy (aten/src/ATen/autocast_mode.cpp, "CUDA" lists; PyTorch's own test lists in
@@ -197,6 +198,7 @@ class Op:
     name: str
     flops: float
     matmul_dtype: object = None      # the dtype a tensor-core op multiplies in; None: CUDA-core work
+    aligned: bool = True             # a matmul whose every dimension spans a multiple of 16 bytes (step 9)
     reads: list = field(default_factory=list)
     writes: list = field(default_factory=list)
     random: tuple = ()               # storages of random masks it wrote
@@ -299,6 +301,8 @@ def count_op(func, args, kwargs, out, keep=None):
 
         op.flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
         op.matmul_dtype = fresh[0].dtype  # a matmul's output has its inputs' dtype
+        op.aligned = all(size * tensor.element_size() % 16 == 0 for value, _ in bound.values()
+                         for tensor in [*_device_tensors(value), *fresh] for size in tensor.shape[-2:])
     elif name in FLASH_OPS:
         op.flops = _flash_flops(bound, backward=name.endswith("_backward"))
         op.matmul_dtype = bound["query"][0].dtype
@@ -716,7 +720,8 @@ def model_rung(number, gpu, model="gpt2-small", batch_size=None, counted_steps=N
         if compute < memory or op.matmul_dtype is None:
             bounds["fused traffic" if fused else "traffic"] += memory
         else:
-            bounds["flash" if op.name in FLASH_OPS else f"{peak_of(op)} matmul"] += compute
+            bounds["flash" if op.name in FLASH_OPS else f"{peak_of(op)} matmul" if op.aligned or
+                   peak_of(op) == "fp32" else "unaligned matmul"] += compute
     for entry in classes.values():
         entry["memory_seconds"] = entry["bytes"] / gpu.bandwidth
         entry["floor_seconds"] = max(entry["compute_seconds"], entry["memory_seconds"])
