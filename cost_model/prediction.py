@@ -230,11 +230,12 @@ def readme_table(tables):
                                                 range(1, 11)) + f" | {found[10]:,.0f} |")
     lines += [""] + textwrap.wrap(
         "Predicted, not measured: each step's gain at the rungs' own batch and 01's tok/s, from each card's data sheet "
-        "and seven numbers fitted on the H200's measurements (shares of the peak, a cost per launch). On the H100 "
+        "and seven numbers fitted on the H200's measurements (six shares of peak or bandwidth, a launch cost). "
+        "On the H100 "
         "(rungs "
         f"{rung_ranges(checked, '-')} of {', '.join(dates)}), unseen by the fit, they "
-        f"missed rungs' tok/s by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
-        f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}; a step's gain can miss by more (H200 "
+        f"missed rungs by {100 * median:.0f}% (median), {100 * worst:.0f}% at worst; on the H200 itself by "
+        f"{100 * own_median:.0f}%, {100 * own_worst:.0f}% at rung {own_worst_rung}; a step's gain can miss more (H200 "
         f"step {step}: {predicted_gain:.2f}x predicted, {measured_gain:.2f}x measured). Runs must fit (else a "
         "lower `--batch-size`): 01 reserved up to 18.1 GiB in its warm-up, rungs 0-4 26.3 (batch 8). Other "
         "generations extrapolated; T4, V100: fp16; GeForce: no TF32 gain (step 2). "
