@@ -2,6 +2,7 @@
 
   python bench/host_time.py                          # every run below on this machine's CPU
   python bench/host_time.py --runs 01,03 --steps 200 --device cuda
+  python bench/host_time.py --runs 01,03 --profile 30  # then 30 steps more under the profiler: where the time goes
 
 On a GPU the host queues a step's kernels while the GPU runs the previous ones, so the host's own work per step
 (Python, the compiled graphs' wrappers, DDP's and FSDP2's hooks, the collectives' calls) costs nothing until it takes
@@ -37,6 +38,13 @@ with the range of all of them.
 
 On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
 what each stage's machinery adds. On a GPU (--device cuda) each phase is timed up to a synchronize.
+
+--profile STEPS adds a second table: STEPS more steps of each run's median process under torch.profiler, their host
+time split by the regions that PyTorch's own code labels (FSDP2's hooks by name, the compiled graphs' calls, the
+collectives, the optimizer's step; the rest is Python, autograd's engine and eager ops between them). The profiler
+slows each event, so the second table's steps are longer than the first's: read it for where the time goes, the
+first for how much. On a GPU the regions hold only the host's side (the kernels run apart); on a CPU, the arithmetic
+too (inside the compiled graphs, and FSDP2's copies inside its hooks).
 Exit code 0 with the table; 2 with one line for an unknown run or a device this machine lacks.
 """
 
@@ -66,6 +74,13 @@ SMALL = {"vocab_size": 512, "context_length": 64, "emb_dim": 64, "n_heads": 4, "
          "qkv_bias": False}
 BATCH = 2
 PHASES = ("forward with loss", "backward", "optimizer step")
+# --profile: where a step's host time goes, by the regions PyTorch's own code labels for the profiler. The first
+# pattern that an event's name matches names its region; an event inside one already counted is not counted again.
+REGIONS = (("FSDP2: {}", r"FSDP::(\w+)"),  # FSDP2's hooks, by their labels: pre_forward, all_gather, ...
+           ("compiled graphs, forward", r"Torch-Compiled Region"),
+           ("compiled graphs, backward", r"CompiledFunctionBackward$"),
+           ("collectives", r"c10d::|nccl:|gloo:"),
+           ("optimizer step", r"Optimizer\.step#"))
 
 
 def block_bytes(stage, cfg):
@@ -98,7 +113,32 @@ def resharding_blocks(fully_shard):
     return wrapped
 
 
-def measure(run, device_name, steps, warmup, layers, compiled):
+def region_of(name):
+    """The REGIONS name for a profiler event's name, or None."""
+    for label, pattern in REGIONS:
+        found = re.match(pattern, name)
+        if found:
+            return label.format(*found.groups())
+    return None
+
+
+def host_regions(events, steps, step_ms):
+    """Milliseconds per step in each region of REGIONS, from the profiler's CPU events of `steps` steps (each event
+    counted once: not inside another counted one), and the rest of `step_ms`, the profiled steps' own time."""
+    regions = {}
+    for event in events:
+        region, parent = region_of(event.name), event.cpu_parent
+        while region and parent is not None:  # counted already, inside a region of its own?
+            region = None if region_of(parent.name) else region
+            parent = parent.cpu_parent
+        if region:
+            regions[region] = regions.get(region, 0.0) + event.cpu_time_total / 1000 / steps
+    regions = dict(sorted(regions.items(), key=lambda item: -item[1]))
+    regions["the rest: Python, autograd's engine, eager ops"] = step_ms - sum(regions.values())
+    return regions
+
+
+def measure(run, device_name, steps, warmup, layers, compiled, profile=0):
     """One run, in this process: the stage's model, wrapped as the stage wraps it; milliseconds per phase."""
     import torch
     import torch.distributed as dist
@@ -151,7 +191,7 @@ def measure(run, device_name, steps, warmup, layers, compiled):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    for step in range(warmup + steps):
+    def train_step():
         start = clock()
         optimizer.zero_grad()
         loss = stage.calc_loss_batch(inputs, targets, trained, device)
@@ -159,16 +199,33 @@ def measure(run, device_name, steps, warmup, layers, compiled):
         loss.backward()
         backward = clock()
         optimizer.step()
-        end = clock()
+        return forward - start, backward - forward, clock() - backward
+
+    for step in range(warmup + steps):
+        seconds = train_step()
         if step >= warmup:
-            for phase, seconds in zip(PHASES, (forward - start, backward - forward, end - backward)):
-                times[phase].append(seconds * 1000)
+            for phase, phase_seconds in zip(PHASES, seconds):
+                times[phase].append(phase_seconds * 1000)
+    regions = None
+    if profile:  # more steps, under the profiler (which slows them): the timed ones above are left alone
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            start = clock()
+            for _ in range(profile):
+                train_step()
+            step_ms = (clock() - start) * 1000 / profile
+        regions = host_regions(profiler.events(), profile, step_ms)
     dist.destroy_process_group()
     if buckets.count:
         notes += f": {buckets.count} graphs"
     result = {phase: statistics.median(values) for phase, values in times.items()}
     result["step"] = statistics.median([sum(parts) for parts in zip(*times.values())])
-    return {"run": run, "ms": result, "notes": notes, "torch": torch.__version__}
+    return {"run": run, "ms": result, "notes": notes, "torch": torch.__version__, "regions": regions}
+
+
+def median_process(results, run):
+    """The process of `run` whose step time is the median of its processes' (the lower of two middle ones)."""
+    processes = sorted((r for r in results if r["run"] == run), key=lambda r: r["ms"]["step"])
+    return processes[(len(processes) - 1) // 2]
 
 
 def table(results, args):
@@ -180,15 +237,29 @@ def table(results, args):
              f"{SMALL['context_length']} tokens{'' if args.compile else ', eager (--no-compile)'}", "",
              "| run | step (all processes) | " + " | ".join(PHASES) + " | step / 01's | notes |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    median = {}
-    for run in dict.fromkeys(r["run"] for r in results):
-        processes = sorted((r for r in results if r["run"] == run), key=lambda r: r["ms"]["step"])
-        median[run] = processes[(len(processes) - 1) // 2], [r["ms"]["step"] for r in processes]
+    median = {run: (median_process(results, run), [r["ms"]["step"] for r in results if r["run"] == run])
+              for run in dict.fromkeys(r["run"] for r in results)}
     for run, (middle, steps) in median.items():
         ratio = f"{middle['ms']['step'] / median['01'][0]['ms']['step']:.2f}" if "01" in median else "n/a"
         lines.append(f"| {run} | {middle['ms']['step']:.2f} ({min(steps):.2f}-{max(steps):.2f}) | "
                      + " | ".join(f"{middle['ms'][phase]:.2f}" for phase in PHASES) + f" | {ratio} | "
                      f"{middle['notes']} |")
+    return "\n".join(lines)
+
+
+def region_table(results, args):
+    """--profile: each run's median process's profiled steps, region by region (REGIONS), runs side by side."""
+    runs = list(dict.fromkeys(r["run"] for r in results))
+    regions = {run: median_process(results, run)["regions"] for run in runs}
+    names = list(dict.fromkeys(name for run in runs for name in regions[run] if not name.startswith("the rest")))
+    rest = next(name for name in regions[runs[0]] if name.startswith("the rest"))
+    lines = [f"Where the host's time goes, in ms per step: {args.profile} more steps of each run's median process "
+             "under torch.profiler (CPU events; slower than the steps above), by the regions PyTorch labels", "",
+             "| region | " + " | ".join(runs) + " |", "| --- |" + " ---: |" * len(runs)]
+    for name in [*names, rest]:
+        lines.append(f"| {name} | " + " | ".join(f"{regions[run][name]:.2f}" if name in regions[run] else "-"
+                                                 for run in runs) + " |")
+    lines.append("| profiled step | " + " | ".join(f"{sum(regions[run].values()):.2f}" for run in runs) + " |")
     return "\n".join(lines)
 
 
@@ -202,6 +273,8 @@ def build_parser():
     parser.add_argument("--layers", type=int, default=12, help="blocks (default 12, GPT-2 small's)")
     parser.add_argument("--repeats", type=int, default=3, help="processes per run, taken in turns (default 3)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="every run eager")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="then STEPS more steps under torch.profiler: a second table, where their host time goes")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in its own process: prints its JSON
     return parser
 
@@ -209,14 +282,16 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args.device, args.steps, args.warmup, args.layers, args.compile)))
+        print(json.dumps(measure(args.worker, args.device, args.steps, args.warmup, args.layers, args.compile,
+                                 args.profile)))
         return failures.EXIT_OK
     runs = [name.strip() for name in args.runs.split(",") if name.strip()]
     try:
         if not runs or any(name not in RUNS for name in runs):
             raise UsageError(f"--runs {args.runs}: the runs are {', '.join(RUNS)}")
-        if min(args.steps, args.layers, args.repeats) < 1 or args.warmup < 0:
-            raise UsageError("--steps, --layers and --repeats take a whole number from 1, --warmup from 0")
+        if min(args.steps, args.layers, args.repeats) < 1 or min(args.warmup, args.profile) < 0:
+            raise UsageError("--steps, --layers and --repeats take a whole number from 1, --warmup and --profile "
+                             "from 0")
         if args.device == "cuda":
             import torch
             if not torch.cuda.is_available():
@@ -228,14 +303,16 @@ def main(argv=None):
     for turn, run in ((turn, run) for turn in range(args.repeats) for run in runs):
         print(f"  ... {run} ({turn + 1} of {args.repeats})", file=sys.stderr, flush=True)
         command = [sys.executable, __file__, "--worker", run, "--device", args.device, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--layers", str(args.layers)] + ([] if args.compile else
-                                                                                 ["--no-compile"])
+                   "--warmup", str(args.warmup), "--layers", str(args.layers), "--profile", str(args.profile)] + (
+                       [] if args.compile else ["--no-compile"])
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
             print(f"{run} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
             return failures.EXIT_FAILED
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(table(results, args))
+    if args.profile:
+        print("\n" + region_table(results, args))
     return failures.EXIT_OK
 
 

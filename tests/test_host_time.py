@@ -22,9 +22,10 @@ def block_parameters(width):
 
 def test_each_stage_is_timed_phase_by_phase_in_a_process_of_its_own():
     done = host_time("--runs", "01,02-split,03,03-resharded,03-one-unit,03-unsharded", "--no-compile", "--steps", 3,
-                     "--warmup", 1, "--layers", 2, "--repeats", 1)
+                     "--warmup", 1, "--layers", 2, "--repeats", 1, "--profile", 2)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| 0")}
+    timed, profiled = done.stdout.split("Where the host's time goes")
+    rows = {line.split(" | ")[0].strip("| "): line for line in timed.splitlines() if line.startswith("| 0")}
     assert list(rows) == ["01", "02-split", "03", "03-resharded", "03-one-unit", "03-unsharded"], done.stdout
     for line in rows.values():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
@@ -38,6 +39,35 @@ def test_each_stage_is_timed_phase_by_phase_in_a_process_of_its_own():
     assert rows["03-resharded"].endswith("| each block gathers its weights again for its backward |")
     assert rows["03-one-unit"].endswith("| FSDP2's unit on the whole model alone, not on each block |")
     assert rows["03-unsharded"].endswith("| no FSDP2: the blocks compiled one by one, the rest eager |")
+    # --profile: the regions side by side, FSDP2's hooks only where FSDP2 shards, DDP's all-reduce only in 02
+    assert "| region | 01 | 02-split | 03 | 03-resharded | 03-one-unit | 03-unsharded |" in profiled, profiled
+    regions = {cells[0]: cells[1:] for cells in ([cell.strip() for cell in line.strip("|").split("|")]
+                                                 for line in profiled.splitlines()[4:] if line.startswith("| "))}
+    sharded = [value != "-" for value in regions["FSDP2: pre_forward"]]
+    assert sharded == [False, False, True, True, True, False], regions
+    assert [value != "-" for value in regions["collectives"]] == [False, True, False, False, False, False], regions
+    assert "compiled graphs, forward" not in regions  # eager: no graph
+    for column, step in enumerate(regions.pop("profiled step")):  # the regions and the rest make up the step
+        parts = [float(values[column]) for values in regions.values() if values[column] != "-"]
+        assert abs(sum(parts) - float(step)) < 0.01 * len(parts) and all(part > 0 for part in parts[:-1]), regions
+
+
+def test_each_event_counts_once_in_the_outermost_region_that_names_it():
+    from types import SimpleNamespace
+
+    from bench import host_time
+
+    def event(name, ms, parent=None):
+        return SimpleNamespace(name=name, cpu_time_total=ms * 1000, cpu_parent=parent)
+
+    hook = event("FSDP::pre_forward (trf_blocks.0)", 4)
+    graph = event("Torch-Compiled Region: 0/0", 10)
+    events = [hook, event("c10d::_allgather_base_", 3, hook), event("aten::copy_", 1, hook), graph,
+              event("CompiledFunction", 9, graph), event("nccl:all_reduce", 2), event("Optimizer.step#AdamW.step", 1),
+              event("aten::mul", 5)]
+    regions = host_time.host_regions(events, steps=2, step_ms=20.0)
+    assert regions == {"compiled graphs, forward": 5.0, "FSDP2: pre_forward": 2.0, "collectives": 1.0,
+                       "optimizer step": 0.5, "the rest: Python, autograd's engine, eager ops": 11.5}
 
 
 def test_the_table_sets_each_runs_median_process_beside_01s():
@@ -61,7 +91,8 @@ def test_an_unknown_run_or_a_missing_gpu_is_refused_in_one_line():
     runs = "01, 02, 02-split, 03, 03-resharded, 03-one-unit, 03-unsharded"
     for flags, message in ((("--runs", "01,04"), f"the runs are {runs}"),
                            (("--device", "cuda"), "sees no CUDA GPU"),
-                           (("--repeats", 0), "--steps, --layers and --repeats take a whole number from 1")):
+                           (("--repeats", 0), "--steps, --layers and --repeats take a whole number from 1"),
+                           (("--profile", -1), "--warmup and --profile from 0")):
         done = host_time(*flags)
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
