@@ -81,6 +81,7 @@ REGIONS = (("FSDP2: {}", r"FSDP::(\w+)"),  # FSDP2's hooks, by their labels: pre
            ("compiled graphs, backward", r"CompiledFunctionBackward$"),
            ("collectives", r"c10d::|nccl:|gloo:"),
            ("optimizer step", r"Optimizer\.step#"))
+REST = "the rest: Python, autograd's engine, eager ops"  # the profiled step's time outside every region
 
 
 def block_bytes(stage, cfg):
@@ -134,7 +135,7 @@ def host_regions(events, steps, step_ms):
         if region:
             regions[region] = regions.get(region, 0.0) + event.cpu_time_total / 1000 / steps
     regions = dict(sorted(regions.items(), key=lambda item: -item[1]))
-    regions["the rest: Python, autograd's engine, eager ops"] = step_ms - sum(regions.values())
+    regions[REST] = step_ms - sum(regions.values())
     return regions
 
 
@@ -251,12 +252,11 @@ def region_table(results, args):
     """--profile: each run's median process's profiled steps, region by region (REGIONS), runs side by side."""
     runs = list(dict.fromkeys(r["run"] for r in results))
     regions = {run: median_process(results, run)["regions"] for run in runs}
-    names = list(dict.fromkeys(name for run in runs for name in regions[run] if not name.startswith("the rest")))
-    rest = next(name for name in regions[runs[0]] if name.startswith("the rest"))
+    names = list(dict.fromkeys(name for run in runs for name in regions[run] if name != REST))
     lines = [f"Where the host's time goes, in ms per step: {args.profile} more steps of each run's median process "
              "under torch.profiler (CPU events; slower than the steps above), by the regions PyTorch labels", "",
              "| region | " + " | ".join(runs) + " |", "| --- |" + " ---: |" * len(runs)]
-    for name in [*names, rest]:
+    for name in [*names, REST]:
         lines.append(f"| {name} | " + " | ".join(f"{regions[run][name]:.2f}" if name in regions[run] else "-"
                                                  for run in runs) + " |")
     lines.append("| profiled step | " + " | ".join(f"{sum(regions[run].values()):.2f}" for run in runs) + " |")
