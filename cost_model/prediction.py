@@ -32,7 +32,8 @@ import failures  # noqa: E402  (needs the path above)
 from inspection import gpu_time_per_step  # noqa: E402
 from bench.report import rung_ranges, same_gpu  # noqa: E402
 from bench.rows import read_rows  # noqa: E402
-from cost_model.step_model import BOUNDS, CLASSES, build_roofline, find_gpu  # noqa: E402
+from cost_model.gpus import find_gpu  # noqa: E402
+from cost_model.step_model import BOUNDS, CLASSES, build_roofline  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # The ladder each generation's efficiencies are fitted on: its folder (rows/ and profile/) and the GPU it ran on.

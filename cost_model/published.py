@@ -49,7 +49,8 @@ PUBLISHED = (
 
 def ceilings():
     """{(gpu, batch, rung): ceiling tok/s} for the rows above, from cost_model/step_model.py's roofline."""
-    from cost_model.step_model import build_roofline, find_gpu
+    from cost_model.gpus import find_gpu
+    from cost_model.step_model import build_roofline
 
     wanted = {}
     for _, _, gpu, batch, _, rung, _, _ in PUBLISHED:

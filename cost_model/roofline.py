@@ -13,7 +13,7 @@ and written, and sorts that work into six classes: matmuls; attention; norms and
 work (dropout, residual adds, casts, embedding lookups, gradient sums); the loss; the optimizer. Each class gets
 a floor time on the GPU, max(FLOPs / peak FLOP/s, bytes / memory bandwidth); the step's floor is their sum, and
 tokens per step over that floor is the rung's ceiling in tok/s. The peaks are utilization.PEAK_TFLOPS's (the dense
-figure of the precision each op runs in), the bandwidth step_model.BANDWIDTH_GB_PER_S's. Written to --out: roofline.md (the
+figure of the precision each op runs in), the bandwidth gpus.BANDWIDTH_GB_PER_S's. Written to --out: roofline.md (the
 tables), roofline.png (the chart) and roofline.json; --predict adds each rung's predicted tok/s (cost_model/prediction.py).
 
 How the step is counted, and what the model assumes and leaves out, is told in cost_model/step_model.py.
@@ -37,8 +37,8 @@ import cli  # noqa: E402
 import failures
 from data import files  # noqa: E402
 from cost_model.scaling import accumulated  # noqa: E402
-from cost_model.step_model import (CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES,  # noqa: E402
-                              build_roofline, find_gpu)
+from cost_model.gpus import find_gpu  # noqa: E402
+from cost_model.step_model import CLASS_COLORS, CLASS_LABELS, CLASS_WORDS, CLASSES, build_roofline  # noqa: E402
 from cost_model import prediction  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # roofline.md, roofline.png
@@ -89,7 +89,7 @@ def render_markdown(table):
         f"meta device with PyTorch {table['torch']} (a model of the GPU, not a measurement).",
         "",
         f"GPU: dense peak TFLOP/s {peaks}; memory bandwidth {gpu['bandwidth_gb_per_s']:,g} GB/s "
-        "(utilization.PEAK_TFLOPS, cost_model/step_model.py's BANDWIDTH_GB_PER_S: NVIDIA's data sheets). Ridge point, the FLOPs per byte above which work is "
+        "(utilization.PEAK_TFLOPS, cost_model/gpus.py's BANDWIDTH_GB_PER_S: NVIDIA's data sheets). Ridge point, the FLOPs per byte above which work is "
         f"compute-bound: {ridges}.",
         "",
         "Each class of work gets a floor time, max(FLOPs / peak, bytes / bandwidth); a step's floor is their sum; "

@@ -88,7 +88,8 @@ def link_speed(text):
 
 
 def main(argv=None):
-    from cost_model.step_model import find_gpu, model_rung
+    from cost_model.gpus import find_gpu
+    from cost_model.step_model import model_rung
 
     parser = cli.OneLineParser(prog="cost_model/scaling.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -61,7 +61,7 @@ tensor that stays in the L2 cache (40-50 MB; one layer's activations at batch 8 
 floor is a model, checked against published measurements (tests/test_roofline.py), not a proof.
 
 Rungs whose ops are the same are counted once (rung 2 is rung 1 with another matmul peak, rung 8 is rung 7's ops
-under the fusion model); the whole table takes 6-11 s on a 2-core CPU.
+under the fusion model); the whole table takes about 5 s on a 2-core CPU (5.1-5.3 s, PyTorch 2.14.1, 2026-11-27).
 """
 
 
@@ -79,8 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the plumbing modules and bench.rungs, wherever the script is started from
 
-import failures  # noqa: E402
-import utilization
+import utilization  # noqa: E402
 from inspection import WORK_CLASSES, WORK_LABELS  # noqa: E402
 
 # The six classes of work, in the order of the tables and the chart: the same as a profile's (bench/step_time.py).
@@ -127,64 +126,6 @@ AUTOCAST_FP32 = {"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10
 AUTOCAST_FP32_DTYPE = {"softmax", "log_softmax", "cumprod", "cumsum", "prod", "sum"}  # float32 through dtype=
 AUTOCAST_PROMOTE = {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
                     "index_put", "tensordot", "scatter_add", "cat", "stack"}
-
-
-# ---------------------------------------------------------------------------------------------
-# The GPU
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    tflops: dict             # precision -> dense TFLOP/s, None where the GPU lacks the format
-    bandwidth_gb_per_s: float
-
-    @property
-    def bandwidth(self):
-        return self.bandwidth_gb_per_s * 1e9
-
-    @property
-    def has_tf32(self):
-        return bool(self.tflops["tf32"])
-
-    @property
-    def autocast_precision(self):
-        """Step 5 on this GPU, as devices.autocast_precision decides it: bf16 where tensor cores have it (compute
-        capability 8.0+), fp16 with a gradient scaler where they have only that (7.x), else float32."""
-        return "bf16" if self.tflops["bf16"] else "fp16" if self.tflops["fp16"] else "fp32"
-
-    def peak(self, precision):
-        return self.tflops[precision] * 1e12
-
-    def ridge(self, precision):
-        """FLOPs per byte above which work at this precision is compute-bound on this GPU."""
-        return self.peak(precision) / self.bandwidth
-
-
-# Memory bandwidth in GB/s of each row of utilization.PEAK_TFLOPS, by the row's name pattern: the HBM or GDDR
-# figure of the same data sheets: A100 data sheet (80 GB SXM 2,039, 80 GB PCIe 1,935, 40 GB 1,555), H100 (SXM 3.35
-# TB/s, PCIe 2 TB/s, NVL 3.9 TB/s), H800 (as H100), H200 and H200 NVL (4.8 TB/s), HGX B200 and GB200 NVL72 (8 TB/s
-# per GPU), L40S 864, A10 600, L4 300, RTX A6000 768, GeForce RTX 4090 / 4080 / 3090 specifications (1,008 / 716.8 /
-# 936), V100 900 (V100S 1,134), T4 320.
-BANDWIDTH_GB_PER_S = {
-    r"GB200": 8000, r"B200": 8000, r"H200 NVL": 4800, r"H200": 4800,
-    r"H100 NVL": 3900, r"H100 PCIe": 2000, r"H100": 3350, r"H800 PCIe": 2000, r"H800": 3350,
-    r"A100.*(PCIe.*\b40 ?GB|\b40 ?GB.*PCIe)": 1555, r"A100.*PCIe": 1935, r"A100.*\b40 ?GB": 1555, r"A100": 2039,
-    r"L40S": 864, r"A10\b": 600, r"L4\b": 300, r"RTX A6000": 768,
-    r"RTX 4090": 1008, r"RTX 4080": 716.8, r"RTX 3090": 936,
-    r"V100S": 1134, r"V100.*PCIE": 900, r"V100": 900, r"\bT4\b": 320,
-}
-
-
-def find_gpu(name):
-    row = utilization.peak_row(name)
-    if row is None:
-        readable = [utilization.readable_gpu_name(pattern) for pattern, _ in utilization.PEAK_TFLOPS]
-        known = ", ".join(dict.fromkeys(gpu for gpu in readable if gpu))
-        raise failures.UsageError(f"--gpu {name}: not in the peak table (utilization.PEAK_TFLOPS); known: {known}")
-    pattern, tflops = row
-    return Gpu(name=name, tflops=dict(zip(utilization.PRECISIONS, tflops)),
-               bandwidth_gb_per_s=BANDWIDTH_GB_PER_S[pattern])
 
 
 # ---------------------------------------------------------------------------------------------

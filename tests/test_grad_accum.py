@@ -208,7 +208,8 @@ def test_with_dropout_the_runs_agree_statistically(tmp_path, small_text):
 
 @pytest.fixture(scope="module")
 def rung10_a100():
-    from cost_model.step_model import find_gpu, model_rung
+    from cost_model.gpus import find_gpu
+    from cost_model.step_model import model_rung
 
     return model_rung(10, find_gpu("A100"), batch_size=32)
 

@@ -18,7 +18,7 @@ from conftest import ROOT, aten_dtypes, load_stage, run_script
 
 import utilization
 from bench import rungs
-from cost_model import prediction, roofline, step_model
+from cost_model import gpus, prediction, roofline, step_model
 from bench.report import REFERENCE
 
 CLI_SECONDS = 60  # the issue's bound for one whole table on this machine
@@ -243,19 +243,19 @@ def test_an_unknown_gpu_exits_2_with_one_line(tmp_path):
     # the PCIe and 40 GB parts are listed by names --gpu takes, each giving that part's own bandwidth
     known = lines[0].split("known: ")[1].split(", ")
     assert {"A100 PCIe 40 GB", "A100 PCIe", "A100 40 GB", "V100 PCIE", "H100"} <= set(known), known
-    assert [step_model.find_gpu(name).bandwidth_gb_per_s for name in ("A100 PCIe 40 GB", "A100 PCIe", "A100")] == [
+    assert [gpus.find_gpu(name).bandwidth_gb_per_s for name in ("A100 PCIe 40 GB", "A100 PCIe", "A100")] == [
         1555, 1935, 2039]
     assert len({utilization.peak_row(name)[0] for name in known}) == len(known)  # no two names for one row
 
 
 def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
-    assert step_model.find_gpu("A100").bandwidth_gb_per_s == 2039
-    assert step_model.find_gpu("NVIDIA A100-SXM4-80GB").bandwidth_gb_per_s == 2039
-    assert step_model.find_gpu("A100 PCIe").bandwidth_gb_per_s == 1935
-    assert step_model.find_gpu("A100 40GB").bandwidth_gb_per_s == 1555
-    assert step_model.find_gpu("NVIDIA A100-PCIE-40GB").bandwidth_gb_per_s == 1555
-    assert step_model.find_gpu("H200").bandwidth_gb_per_s == 4800
-    assert step_model.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
+    assert gpus.find_gpu("A100").bandwidth_gb_per_s == 2039
+    assert gpus.find_gpu("NVIDIA A100-SXM4-80GB").bandwidth_gb_per_s == 2039
+    assert gpus.find_gpu("A100 PCIe").bandwidth_gb_per_s == 1935
+    assert gpus.find_gpu("A100 40GB").bandwidth_gb_per_s == 1555
+    assert gpus.find_gpu("NVIDIA A100-PCIE-40GB").bandwidth_gb_per_s == 1555
+    assert gpus.find_gpu("H200").bandwidth_gb_per_s == 4800
+    assert gpus.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
     assert ROOT.joinpath("cost_model", "roofline.py").exists()
 
 
@@ -274,7 +274,7 @@ def test_every_gpu_of_the_peak_table_has_a_memory_bandwidth():
     """The bandwidth lives in the cost model, by the peak table's row: a row added to one table alone is caught."""
     import utilization
 
-    assert set(step_model.BANDWIDTH_GB_PER_S) == {pattern for pattern, _ in utilization.PEAK_TFLOPS}
+    assert set(gpus.BANDWIDTH_GB_PER_S) == {pattern for pattern, _ in utilization.PEAK_TFLOPS}
     assert all(isinstance(tflops, tuple) and len(tflops) == 4 for _, tflops in utilization.PEAK_TFLOPS)
 
 
@@ -308,7 +308,7 @@ def test_at_twice_the_context_hand_written_attention_moves_four_times_the_bytes_
     """The exercise of the README's "Try it yourself": rungs 6 and 7 at the stages' 1,024 and at 2,048 tokens, on
     the meta device (about four seconds). Rung 6's attention writes and reads tokens x tokens matrices (x4), rung 7's
     FlashAttention moves only Q, K, V and the output (x2, as the matmuls' FLOPs); so step 7 is worth more there."""
-    h100 = step_model.find_gpu("H100")
+    h100 = gpus.find_gpu("H100")
     tables = {context: step_model.build_roofline(h100, rung_numbers=(6, 7), context_length=context)
               for context in (None, 2048)}
     assert tables[None]["context_length"] == 1024 and tables[2048]["context_length"] == 2048
@@ -339,7 +339,7 @@ def test_a_context_length_that_is_not_a_whole_number_from_1_exits_2_with_one_lin
 
 
 def test_the_reference_column_is_the_tutorials_context_only():
-    a100 = step_model.find_gpu("A100")
+    a100 = gpus.find_gpu("A100")
     assert step_model.tutorial_reference(a100, "gpt2-small", None)
     assert step_model.tutorial_reference(a100, "gpt2-small", None, context_length=1024)
     assert step_model.tutorial_reference(a100, "gpt2-small", None, context_length=2048) == {}
@@ -430,7 +430,7 @@ def test_step_9_pays_in_the_predictions_as_the_heads_matmuls_align(readme_gpus):
     left. So the prediction gives step 9 a gain, on the H100 too, which the fit never saw (measured there: 1.09x)."""
     for name, table in readme_gpus.items():
         rung_8, rung_9 = table["rungs"][8], table["rungs"][9]
-        gpu = step_model.find_gpu(name)
+        gpu = gpus.find_gpu(name)
         head = 3 * 2 * rung_8["tokens_per_step"] * 768 * 50257 / gpu.peak(gpu.autocast_precision)  # forward, 2 grads
         assert rung_8["bound_seconds"]["unaligned matmul"] == pytest.approx(head, rel=1e-6), name
         assert rung_9["bound_seconds"]["unaligned matmul"] == 0.0 and rung_9["vocab_size"] == 50304, name
@@ -491,6 +491,6 @@ def test_the_ladders_report_sets_each_prediction_beside_its_measured_rung(tmp_pa
 
 def test_with_a_batch_size_for_every_rung_rung_10_says_it_changes_nothing():
     """--batch-size N gives rung 10 rung 9's batch: its label must not promise a larger one."""
-    row = step_model.model_rung(10, step_model.find_gpu("H100"), batch_size=8)
+    row = step_model.model_rung(10, gpus.find_gpu("H100"), batch_size=8)
     assert row["batch_size"] == 8
     assert row["change"] == f"{rungs.CHANGES[10]} (none here: --batch-size 8 for every rung)"
