@@ -39,12 +39,12 @@ with the range of all of them.
 On a CPU the step's arithmetic is part of every figure, the same in each run; the differences between the runs are
 what each stage's machinery adds. On a GPU (--device cuda) each phase is timed up to a synchronize.
 
---profile STEPS adds a second table: STEPS more steps of each run's median process under torch.profiler, their host
-time split by the regions that PyTorch's own code labels (FSDP2's hooks by name, the compiled graphs' calls, the
-collectives, the optimizer's step; the rest is Python, autograd's engine and eager ops between them). The profiler
-slows each event, so the second table's steps are longer than the first's: read it for where the time goes, the
-first for how much. On a GPU the regions hold only the host's side (the kernels run apart); on a CPU, the arithmetic
-too (inside the compiled graphs, and FSDP2's copies inside its hooks).
+--profile STEPS adds a second table: STEPS more steps in each process under torch.profiler, their host time (the mean
+of a run's processes) split by the regions that PyTorch's own code labels (FSDP2's hooks by name, the compiled graphs'
+calls, the collectives, the optimizer's step; the rest is Python, autograd's engine and eager ops between them). The
+profiler slows each event, so the second table's steps are longer than the first's: read it for where the time goes,
+the first for how much. On a GPU the regions hold only the host's side (the kernels run apart); on a CPU, the
+arithmetic too (inside the compiled graphs, and FSDP2's copies inside its hooks).
 Exit code 0 with the table; 2 with one line for an unknown run or a device this machine lacks.
 """
 
@@ -248,13 +248,23 @@ def table(results, args):
     return "\n".join(lines)
 
 
+def mean_regions(results, run):
+    """The regions of every process of `run`, averaged (a region a process lacks counts 0 there), so that the
+    regions and the rest still add up to the mean profiled step."""
+    processes = [r["regions"] for r in results if r["run"] == run]
+    names = dict.fromkeys(name for regions in processes for name in regions)
+    return {name: sum(regions.get(name, 0.0) for regions in processes) / len(processes) for name in names}
+
+
 def region_table(results, args):
-    """--profile: each run's median process's profiled steps, region by region (REGIONS), runs side by side."""
+    """--profile: each run's profiled steps, region by region (REGIONS), averaged over its processes, runs side by
+    side."""
     runs = list(dict.fromkeys(r["run"] for r in results))
-    regions = {run: median_process(results, run)["regions"] for run in runs}
+    regions = {run: mean_regions(results, run) for run in runs}
     names = list(dict.fromkeys(name for run in runs for name in regions[run] if name != REST))
-    lines = [f"Where the host's time goes, in ms per step: {args.profile} more steps of each run's median process "
-             "under torch.profiler (CPU events; slower than the steps above), by the regions PyTorch labels", "",
+    lines = [f"Where the host's time goes, in ms per step: {args.profile} more steps in each process, under "
+             "torch.profiler (CPU events; slower than the steps above), by the regions PyTorch labels, the mean of "
+             "each run's processes", "",
              "| region | " + " | ".join(runs) + " |", "| --- |" + " ---: |" * len(runs)]
     for name in [*names, REST]:
         lines.append(f"| {name} | " + " | ".join(f"{regions[run][name]:.2f}" if name in regions[run] else "-"

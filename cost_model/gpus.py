@@ -5,16 +5,10 @@ row of that table. `find_gpu("H100")` (any name the peak table's patterns match,
 with both, its ridge points and the precision step 5 picks on it.
 """
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the plumbing modules, wherever the script is started from
-
-import failures  # noqa: E402
-import utilization  # noqa: E402
+import failures  # the plumbing modules sit beside cost_model/, on the path of whatever imports cost_model.gpus
+import utilization
 
 
 @dataclass(frozen=True)

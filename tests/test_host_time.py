@@ -70,6 +70,18 @@ def test_each_event_counts_once_in_the_outermost_region_that_names_it():
                        "optimizer step": 0.5, "the rest: Python, autograd's engine, eager ops": 11.5}
 
 
+def test_the_regions_are_each_runs_mean_over_its_processes_and_still_add_up():
+    from bench import host_time
+
+    rest = host_time.REST
+    results = [{"run": "02", "regions": {"collectives": 1.0, "optimizer step": 2.0, rest: 3.0}},
+               {"run": "02", "regions": {"optimizer step": 4.0, rest: 5.0}},  # no collective event profiled here
+               {"run": "01", "regions": {"optimizer step": 9.0, rest: 1.0}}]
+    regions = host_time.mean_regions(results, "02")
+    assert regions == {"collectives": 0.5, "optimizer step": 3.0, rest: 4.0}  # 01's process not among them
+    assert sum(regions.values()) == (6.0 + 9.0) / 2  # the mean profiled step
+
+
 def test_the_table_sets_each_runs_median_process_beside_01s():
     from bench import host_time
 
