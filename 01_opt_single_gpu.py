@@ -204,7 +204,7 @@ def calc_loss_batch(input_batch, target_batch, model, device):
         return evaluation_loss(model, input_batch, target_batch)  # NEW (step 8)
 
 
-def forward_and_loss(model, input_batch, target_batch):
+def forward_and_loss(model, input_batch, target_batch):  # NEW (step 8): the code both compiled graphs share
     logits = model(input_batch)
     # NEW (step 5): the loss in float32; compiled (step 8), the cast stays inside the loss kernel: no float32 logits
     return F.cross_entropy(logits.flatten(0, 1).float(), target_batch.flatten())
@@ -271,7 +271,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
     run = progress.TrainingProgress(setup, len(train_loader))
     inspector = run.inspector  # --profile, --memory-snapshot: the step's regions are labelled in the trace
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
-    # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
+    # float32 it is disabled: scale(loss) returns the loss, step() calls optimizer.step(), update() does nothing
     scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
     if setup.resume and setup.resume.get("scaler"):
         scaler.load_state_dict(setup.resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on

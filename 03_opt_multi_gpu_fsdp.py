@@ -224,7 +224,7 @@ def training_loss(logits, target_batch):
 
 
 @torch.compile  # NEW (step 8): evaluation (no dropout, no gradients) is another graph, in a function of its own
-def evaluation_loss(logits, target_batch):  # NEW (FSDP): the loss of the eager logits
+def evaluation_loss(logits, target_batch):  # NEW (FSDP): the eager logits' loss, apart: no recompiling between modes
     return loss_of_logits(logits, target_batch)
 
 
@@ -288,7 +288,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
     run = progress.TrainingProgress(setup, len(train_loader))
     inspector = run.inspector  # --profile, --memory-snapshot: the step's regions are labelled in the trace
     # NEW (step 5, float16 only): the scaler multiplies the loss so small gradients do not underflow to 0; with bf16 or
-    # float32 it is disabled, and its three calls below pass the loss, the gradients and the step through unchanged
+    # float32 it is disabled: scale(loss) returns the loss, step() calls optimizer.step(), update() does nothing
     scaler = torch.amp.GradScaler(device.type, enabled=devices.autocast_dtype(device) == torch.float16)
     if setup.resume and setup.resume.get("scaler"):
         scaler.load_state_dict(setup.resume["scaler"])  # NEW (step 5, float16 only): the loss scale goes on
@@ -458,7 +458,7 @@ def main():
           f"{setup.flops_per_token / 1e9:.2f} GFLOPs per token")
     print(utilization.mfu_line(device, precision))
     clock.start_up("until the first step")
-    memory_report = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): estimated; measured by a hook
+    memory_report = sharding.ShardMemory(model, optimizer, cfg, args)  # NEW (FSDP): 02's memory line, per rank
     if device.type == "cpu" and not args.tiny:
         print(devices.cpu_speed_note(setup.flops_per_token * train_loader.batch_size * context, len(train_loader)))
 

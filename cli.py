@@ -110,7 +110,7 @@ GRAD_ACCUM_HELP = ("micro-batches of --batch-size per optimizer step, each its o
 
 
 def build_parser(description, settings, tiny_settings):
-    """The flags shared by the three stages; `settings` gives the stage's defaults.
+    """The flags shared by the four stages; `settings` gives the stage's defaults.
 
     Flags a resumed run can take from its checkpoint default to None here, so that resolve_settings() can tell
     a flag given again from one left out.
