@@ -226,23 +226,16 @@ def test_middlemarch_offline_is_a_usage_error(tmp_path, monkeypatch, no_proxy):
 
 
 def test_middlemarch_offline_exits_2_from_the_cli(tmp_path):
-    real_cache = ROOT / "data" / "cache" / "middlemarch.txt"
-    if real_cache.exists():
-        pytest.skip(f"{real_cache} exists, so the script would not try the download")
-    out = tmp_path / "run"
-    try:
-        result = run_script("00_orig.py", "--tiny", "--data", "middlemarch", "--max-steps", "1", "--out", out,
-                            env={"MIDDLEMARCH_URL": f"http://127.0.0.1:{_closed_port()}/pg145.txt", **PROXY_OFF},
-                            timeout=120)
-        assert result.returncode == 2, result.stdout + result.stderr
-        err = result.stderr.strip()
-        assert err and "\n" not in err, err
-        assert "Traceback" not in result.stderr
-        assert "shakespeare" in err
-        assert not real_cache.exists()
-    finally:
-        if real_cache.exists():  # never leave a cache behind that the test itself made
-            real_cache.unlink()
+    cache = tmp_path / "cache"  # empty: the script has to try the download, and must leave nothing there
+    url = f"http://127.0.0.1:{_closed_port()}/pg145.txt"
+    result = run_script("00_orig.py", "--tiny", "--data", "middlemarch", "--max-steps", "1", "--out", tmp_path / "run",
+                        env={"FAST_GPT2_CACHE": str(cache), "MIDDLEMARCH_URL": url, **PROXY_OFF}, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    err = result.stderr.strip()
+    assert err and "\n" not in err, err
+    assert "Traceback" not in result.stderr
+    assert f"could not download {url}" in err and "--data shakespeare" in err, err
+    assert not (cache / "middlemarch.txt").exists(), "a failed download must not leave a cache file"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -301,9 +301,9 @@ def start_and_wait_for_log_lines(command, lines_wanted, **popen_args):
 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path, small_text, signum, exit_code):
-    """Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches stage 01's DataLoader workers too; the
-    training process must still finish its step, save and exit (a worker killed by SIGTERM would crash it)."""
+def test_a_signal_to_the_whole_process_group_saves_and_exits_with_its_code(tmp_path, small_text, signum, exit_code):
+    """Ctrl-C in a terminal, or a scheduler's SIGTERM, goes to the whole process group: stage 01 finishes its
+    step, saves and exits 128 + the signal's number, without a traceback."""
     out = tmp_path / "run"
     command = [sys.executable, "01_opt_single_gpu.py", "--tiny", "--no-compile", "--data", str(small_text),
                "--out", str(out), "--epochs", "50", "--max-steps", "0", "--eval-freq", "5"]

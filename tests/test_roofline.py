@@ -256,7 +256,6 @@ def test_a100_means_the_80_gb_sxm_part_unless_the_name_says_otherwise():
     assert gpus.find_gpu("NVIDIA A100-PCIE-40GB").bandwidth_gb_per_s == 1555
     assert gpus.find_gpu("H200").bandwidth_gb_per_s == 4800
     assert gpus.find_gpu("NVIDIA A10").bandwidth_gb_per_s == 600  # not an A100
-    assert ROOT.joinpath("cost_model", "roofline.py").exists()
 
 
 def test_the_old_command_path_runs_the_cost_models_roofline():

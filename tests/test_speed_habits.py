@@ -131,11 +131,14 @@ def test_a_padded_last_batch_gives_the_loss_of_the_real_rows(stage):
     with torch.compiler.set_stance("force_eager"), torch.no_grad():
         expected = [stage.calc_loss_batch(inputs[:4], targets[:4], model, CPU).item(),
                     stage.calc_loss_batch(inputs[4:], targets[4:], model, CPU).item()]
+        rows = []  # what the model is given: full batches only, so that a compiled graph sees one shape
+        model.register_forward_pre_hook(lambda module, args: rows.append(len(args[0])))
         if stage.__file__.endswith("02_opt_multi_gpu_ddp.py"):
             with single_rank():
                 got = stage.calc_loss_loader(loader, model, CPU)
         else:
             got = stage.calc_loss_loader(loader, model, CPU)
+    assert rows == [4, 4], rows
     assert got == pytest.approx(sum(expected) / 2, abs=1e-6)
 
 

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import devices
 from conftest import check_wall_clock, load_stage, run_script
@@ -58,7 +57,7 @@ def twin_models(stage00, stage01, vocab_01, seed=0, **overrides):
 
 
 def test_stage01_config_is_padded_and_batch_is_larger(stage00, stage01):
-    assert stage01.GPT_CONFIG_124M["vocab_size"] == 50304 and 50304 % 64 == 0
+    assert stage01.GPT_CONFIG_124M["vocab_size"] == 50304  # 786 x 64
     assert stage01.REAL_VOCAB_SIZE == stage00.GPT_CONFIG_124M["vocab_size"] == REAL_VOCAB
     assert stage01.OTHER_SETTINGS["batch_size"] == 32
     # every other hyperparameter is the same in both stages
@@ -80,15 +79,20 @@ def test_same_logits_as_stage00_over_the_real_vocabulary(stage00, stage01):
     torch.testing.assert_close(logits_01[..., :REAL_VOCAB], logits_00, rtol=1e-5, atol=1e-5)
 
 
-def test_sdpa_with_is_causal_equals_masked_softmax_attention(stage00):
+def test_sdpa_attention_equals_stage00s_masked_softmax_attention(stage00, stage01):
+    """01's attention module (one qkv matmul, its split into heads, SDPA with is_causal) against 00's (three
+    matmuls, the stored mask, masked_fill, softmax), same weights, in float64: the same outputs."""
     torch.manual_seed(2)
-    attention = stage00.MultiHeadAttention(d_in=24, d_out=24, context_length=16, dropout=0.0, num_heads=3).double()
-    x = torch.randn(2, 16, 24, dtype=torch.float64)
-    expected = attention(x)  # stage 00: stored mask, masked_fill, softmax
-    q, k, v = (layer(x).view(2, 16, 3, 8).transpose(1, 2)
-               for layer in (attention.W_query, attention.W_key, attention.W_value))
-    context = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 24)
-    torch.testing.assert_close(attention.out_proj(context), expected, rtol=1e-12, atol=1e-12)
+    sizes = dict(d_in=24, d_out=24, context_length=16, dropout=0.0, num_heads=3)
+    attention_00 = stage00.MultiHeadAttention(**sizes).double().eval()
+    attention_01 = stage01.MultiHeadAttention(**sizes).double().eval()
+    with torch.no_grad():
+        attention_01.qkv.weight.copy_(torch.cat([attention_00.W_query.weight, attention_00.W_key.weight,
+                                                 attention_00.W_value.weight]))
+        attention_01.out_proj.load_state_dict(attention_00.out_proj.state_dict())
+        x = torch.randn(2, 16, 24, dtype=torch.float64)
+        torch.testing.assert_close(attention_01(x), attention_00(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(attention_01(x[:, :9]), attention_00(x[:, :9]), rtol=1e-12, atol=1e-12)
 
 
 def test_training_steps_give_the_same_losses_as_stage00(stage00, stage01, monkeypatch):

@@ -470,9 +470,12 @@ def test_one_process_keeps_each_blocks_gathered_weights_for_its_backward(stage03
     assert chosen == [True] * blocks + ["the default"], chosen  # the blocks reshard; the root unit: FSDP2's own
 
 
-def test_bf16_gathers_with_autocast_keep_the_loss_near_float32(stage03):
+def test_bf16_gathers_with_autocast_keep_the_loss_near_float32(stage03, bf16_cpu, monkeypatch):
     """The policy gathers bf16 weights and autocast stays: the loss stays float32 (not bf16-rounded) and within
     bf16's rounding of the float32 model's loss."""
+    policies, fully_shard = [], stage03.fully_shard
+    monkeypatch.setattr(stage03, "fully_shard", lambda module, **options: (
+        policies.append(options["mp_policy"]), fully_shard(module, **options))[1])
     cfg = {**stage03.TINY_CONFIG, "drop_rate": 0.0}
     torch.manual_seed(2)
     tokens = torch.randint(0, stage03.REAL_VOCAB_SIZE, (4, cfg["context_length"] + 1))
@@ -489,8 +492,10 @@ def test_bf16_gathers_with_autocast_keep_the_loss_near_float32(stage03):
             loss = stage03.calc_loss_batch(tokens[:, :-1], tokens[:, 1:], model, torch.device("cpu"))
         shard_dtypes = {tensor.to_local().dtype for tensor in model.state_dict().values()}
     print(f"bf16 gathers: {loss.item():.6f}, float32: {reference.item():.6f}")
+    assert {(policy.param_dtype, policy.reduce_dtype) for policy in policies} == {(torch.bfloat16, torch.float32)}
     assert loss.dtype == torch.float32 and loss.item() != loss.bfloat16().item()
     assert loss.item() == pytest.approx(reference.item(), abs=0.02)
+    assert loss.item() != pytest.approx(reference.item(), abs=1e-6)  # bf16 ran: float32 matches to 6 decimals
     assert shard_dtypes == {torch.float32}  # the master weights stay float32
 
 
