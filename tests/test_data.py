@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import run_script
 
 import data
 import failures
