@@ -644,7 +644,7 @@ def main(argv=None):
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return failures.EXIT_USAGE
-    print(f"Wrote {args.results}/ladder.md, ladder.json and ladder.png")
+    print(f"Wrote {Path(args.results) / 'ladder.md'}, ladder.json and ladder.png")
     return failures.EXIT_OK
 
 
