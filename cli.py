@@ -154,7 +154,8 @@ def build_parser(description, settings, tiny_settings):
                         help="continue the run this checkpoint (a model.pth) came from: in its folder, with its "
                              "limits and schedule (--epochs, --max-steps, --eval-freq, --eval-iter, --save-every, "
                              "--data, --batch-size, --seed, --tiny, --model, and 01 to 03's --grad-accum-steps), "
-                             "unless given again")
+                             "unless given again; the seed and the global batch (batch x accumulation steps x "
+                             "processes) must stay")
     parser.add_argument("--save-every", type=_non_negative_int, metavar="N",
                         help="also write the checkpoint every N steps; 0: only at the end and on an "
                              "interrupt (default: 0)")
