@@ -194,8 +194,10 @@ def autocast_dtype(device):
 
 def has_fused(device):
     """Whether this PyTorch has a fused AdamW kernel for `device` (step 3)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
+    try:  # PyTorch's own list, from a private module
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a PyTorch that moved it: the devices every PyTorch since 2.4 fuses for
+        return device.type in ("cuda", "cpu")
     return device.type in _get_fused_kernels_supported_devices()
 
 

@@ -5,6 +5,8 @@ No V100, T4 or Mac is at hand: the float16 path runs on the CPU through the test
 (tests/support/sitecustomize.py: autocast float16 and GradScaler("cpu") work there), and GPU capabilities, GPU names and MPS availability are faked.
 """
 
+import sys
+
 import pytest
 import torch
 import torch._dynamo  # imported before any test fakes torch.cuda functions (its import walks them)
@@ -261,6 +263,13 @@ def test_no_fallbacks_on_cuda_or_the_cpu(monkeypatch, capsys):
         devices.apply_fallbacks(fake_gpu(monkeypatch))
         assert capsys.readouterr().out == "" and not torch._dynamo.config.suppress_errors
     assert devices.has_fused(torch.device("cpu")) and devices.has_fused(torch.device("cuda"))
+
+
+def test_fused_adamw_is_found_without_pytorchs_private_list(monkeypatch):
+    """has_fused asks a private module of PyTorch; a PyTorch without it must not stop a stage at its start."""
+    monkeypatch.setitem(sys.modules, "torch.utils._foreach_utils", None)  # its import now fails
+    assert devices.has_fused(torch.device("cpu")) and devices.has_fused(torch.device("cuda"))
+    assert not devices.has_fused(torch.device("mps"))
 
 
 def test_the_clock_waits_for_the_apple_gpu(monkeypatch):
