@@ -297,7 +297,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
                     train_loss, val_loss = evaluate_model(model, train_eval_loader,
                                                           val_loader, device, args.eval_iter)
                     check_finite(loss, run.step, train_loss, val_loss)
-                    run.log(train_loss, val_loss)  # the log line and the history: losses, tok/s, MFU
+                    run.log(train_loss, val_loss)  # the log line and history; the first also resets the memory peaks
             if run.save_due():  # every --save-every steps, the last, or a stop signal (which ends the run)
                 with run.saving():  # off the clock too
                     check_finite(loss, run.step)

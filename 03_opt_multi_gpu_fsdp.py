@@ -315,7 +315,7 @@ def train_model(model, optimizer, loaders, setup, save_checkpoint):
                     train_loss, val_loss = evaluate_model(model, train_eval_loader,  # NEW (FSDP): itself
                                                           val_loader, device, args.eval_iter)
                     check_finite(loss, run.step, train_loss, val_loss)
-                    run.log(train_loss, val_loss)  # the log line and the history: losses, tok/s, MFU
+                    run.log(train_loss, val_loss)  # the log line and history; the first also resets the memory peaks
             # NEW (DDP): save_due is also where the ranks agree on a stop signal (a gloo all-reduce started each step)
             if run.save_due():  # every --save-every steps, the last, or a stop signal (which ends the run)
                 with run.saving():  # off the clock too
