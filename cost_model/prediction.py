@@ -223,7 +223,7 @@ def readme_table(tables):
     step, predicted_gain, measured_gain = worst_step(tables["H200"])
     dates = sorted({date for _, where in measured_beside(held_out).values()
                     for date in re.findall(r"\d{4}-\d{2}-\d{2}", where)})
-    lines = ["| GPU | " + " | ".join(f"step {number}" for number in range(1, 11)) + " | stage 01, tok/s |",
+    lines = ["| GPU | " + " | ".join(f"step {number}" for number in range(1, 11)) + " | stage 01, predicted tok/s |",
              "| --- |" + " ---: |" * 11]
     for name, table in tables.items():
         found = predictions(table)
