@@ -343,8 +343,8 @@ def run_ladder(args):
     if table:
         markdown = report.write_report(table, out, roofline)
         measured = sum(1 for row in done if row.get("tokens_per_sec"))
-        print(f"Wrote {out}/ladder.md, ladder.json, ladder.png and logs/ | this command: {measured} of {len(done)} "
-              f"runs measured in {plan.format_duration(time.monotonic() - clock_start)}; the table holds rungs "
+        print(f"Wrote {out}/ladder.md, ladder.json, ladder.png, {rows.FOLDER}/ and logs/ | this command: {measured} of "
+              f"{len(done)} runs measured in {plan.format_duration(time.monotonic() - clock_start)}; the table holds rungs "
               f"{report.rung_ranges(row['rung'] for row in table['rungs'])}\n\n{markdown}", flush=True)
     if left:
         print(f"--time-limit: the rest of this part is {plan.describe_left(left)}; measure it with:\n  "

@@ -88,10 +88,11 @@ def run_timeout(rung_timeout, deadline):
 
 
 def describe_left(left):
-    """The jobs not measured, in words: 'rungs 6–10 and the --check-scripts runs'."""
+    """The jobs not measured, in words: 'rungs 6–10 and the --check-scripts runs' (or the one check left)."""
     numbers = [job.rung for job in left if job.script is None]
     named = [f"rung{'s' if len(numbers) > 1 else ''} {report.rung_ranges(numbers)}"] if numbers else []
-    return " and ".join(named + (["the --check-scripts runs"] if any(job.script for job in left) else []))
+    checks = [job.label for job in left if job.script]
+    return " and ".join(named + (checks if len(checks) == 1 else ["the --check-scripts runs"] if checks else []))
 
 
 def continuation_command(argv, left, missing):

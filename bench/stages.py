@@ -335,7 +335,7 @@ def main(argv=None):
     finally:
         shutil.rmtree(out / "compile-cache", ignore_errors=True)
     print(markdown)
-    print(f"Wrote {out}/stages.md, stages.json, {rows.FOLDER}/ and logs/")
+    print(f"Wrote {out}/stages.md, stages.json, {rows.FOLDER}/, logs/ and runs/")
     return failures.EXIT_FAILED if failed else failures.EXIT_OK
 
 

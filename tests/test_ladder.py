@@ -940,6 +940,7 @@ def test_time_limit_helpers():
     left = plan.jobs(args, {}, missing=False)
     assert [job.name for job in left] == ["rung-08", "rung-09", "rung-10", "check-00_orig", "check-01_opt_single_gpu"]
     assert plan.describe_left(left) == "rungs 8–10 and the --check-scripts runs"
+    assert plan.describe_left(left[-1:]) == "the --check-scripts run of 01_opt_single_gpu.py"  # 00's was measured
     argv = ["--rungs", "0-12", "--check-scripts", "--time-limit", "540", "--out", "my results"]
     assert plan.continuation_command(argv, left, missing=False) == (
         "python bench/ladder.py --rungs 8-10 --check-scripts --time-limit 540 --out 'my results'")

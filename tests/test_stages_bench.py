@@ -35,7 +35,7 @@ def test_01_cold_then_warm_compile_cache_and_the_tables(tmp_path):
     table = (out / "stages.md").read_text()
     assert "| 01-cold | `python 01_opt_single_gpu.py --tiny" in table and "| 01-warm |" in table, table
     assert "| run | whole command | start-up | compilation | training | evaluation | sampling |" in table, table
-    assert result.stdout.rstrip().endswith("stages.json, rows/ and logs/")
+    assert result.stdout.rstrip().endswith("stages.json, rows/, logs/ and runs/")
 
 
 def test_the_commands_are_the_ones_a_user_types(tmp_path):
