@@ -362,7 +362,7 @@ def render_markdown(report):
         f"- Driver: {report['driver'] or 'n/a'} | CUDA: {report['cuda'] or 'n/a'} | PyTorch: {report['torch']} "
         f"| Python: {report['python']}",
         f"- Model: {describe_model(settings)}",
-        f"- Measured in {len(report.get('parts', []))} part(s), each row dated in its \"measured\" column:",
+        f"- Measured in {len(report.get('parts', []))} part(s), each row dated in its \"measured (UTC)\" column:",
     ]
     for part in report.get("parts", []):
         measured = f"rungs {rung_ranges(part['rungs'])}" if part["rungs"] else "script checks"
