@@ -125,7 +125,7 @@ class StopSignal:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        if os.environ.get("RANK", "0") == "0":  # in 02, one message for the job: every rank got the signal
+        if os.environ.get("RANK", "0") == "0":  # in 02 and 03, one message for the job: every rank got the signal
             print(f"\n{signal.Signals(signum).name}: finishing this step, then saving the checkpoint "
                   "(Ctrl-C again quits at once, without saving)", file=sys.stderr, flush=True)
 

@@ -141,8 +141,8 @@ def build_parser(description, settings, tiny_settings):
     parser.add_argument("--eval-iter", type=_positive_int,
                         help=f"batches per loss estimate at each evaluation ({default('eval_iter')})")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
-                        help="where to train; auto: CUDA when available, else Apple's MPS, else the CPU "
-                             "(default: auto)")
+                        help="where to train; auto: CUDA when available, else Apple's MPS (not in 02 and 03), else "
+                             "the CPU (default: auto)")
     parser.add_argument("--model", choices=tuple(MODEL_SIZES),
                         help="which of the book's GPT-2 sizes to train; --tiny replaces it with a small model "
                              "(default: gpt2-small)")
@@ -264,7 +264,9 @@ def check_splits(args, train_windows, val_windows, context):
                          f"{'window' if train_windows == 1 else 'windows'} of {window}, fewer than one optimizer step "
                          f"of {split}: use a longer text"
                          + ("" if train_windows == 0 else " or a smaller --batch-size")  # no batch fits in none
-                         + (" or fewer --grad-accum-steps" if train_windows and needed > args.batch_size else ""))
+                         + (" or fewer --grad-accum-steps" if train_windows and getattr(args, "grad_accum_steps", 1) > 1
+                            else "")
+                         + (" or fewer processes" if train_windows and processes() > 1 else ""))
     if val_windows == 0:
         raise UsageError(f"the validation split of '{args.data}' is shorter than one window of {window}: "
                          "use a longer text (or prepare it with a larger --val-fraction)")
@@ -291,7 +293,8 @@ def check_continuation(checkpoint, args, tokens_per_step):
         fits = accumulation and checkpoint["tokens_per_step"] % per_micro_batch == 0
         raise UsageError(f"--resume {args.resume}: the checkpoint trained {checkpoint['tokens_per_step']:,} tokens "
                          f"per step{_split_of(checkpoint)}, this run {tokens_per_step:,} ({ours}): keep the global "
-                         "batch, --batch-size x --grad-accum-steps x processes (how it is split may change)"
+                         + ("batch, --batch-size x --grad-accum-steps x processes (how it is split may change)"
+                            if accumulation else "batch, --batch-size")
                          + (f"; with this --batch-size and these processes: --grad-accum-steps "
                             f"{checkpoint['tokens_per_step'] // per_micro_batch}" if fits
                             else _a_split_that_fits(checkpoint["tokens_per_step"], per_micro_batch // args.batch_size,

@@ -36,7 +36,8 @@ def pick_device(choice, distributed=False):
                          "use --device cpu (or auto)")
     if choice == "mps" and distributed:
         raise UsageError("--device mps: torch.distributed has no backend for MPS tensors (NCCL is CUDA only, gloo "
-                         "CPU and CUDA), so DDP cannot run there: on a Mac use 01_opt_single_gpu.py, or --device cpu")
+                         "CPU and CUDA), so neither DDP nor FSDP runs there: on a Mac use 01_opt_single_gpu.py, or "
+                         "--device cpu")
     if choice == "auto":
         if torch.cuda.is_available():
             choice = "cuda"
@@ -82,7 +83,8 @@ def check_cuda_build(capability, arch_list, torch_version, gpu_name):
             return
     raise UsageError(f"PyTorch {torch_version} has no kernels for the {gpu_name} (sm_{major}{minor}; this build "
                      f"covers {' '.join(arch_list) or 'no GPU'}): install a build that includes sm_{major}{minor}, "
-                     "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126")
+                     "e.g. pip install torch --index-url https://download.pytorch.org/whl/"
+                     + ("cu126" if major < 10 else "cu128"))  # CUDA 12.6's wheels end at Hopper, 12.8's add Blackwell
 
 
 def free_port():

@@ -123,7 +123,8 @@ def process_done(exit_code):
 
 
 def run(main):
-    """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes")."""
+    """Run a stage's main() and turn its failures into the exit codes of docs/operations.md ("Exit codes"); an exit
+    code main() returns itself (a tool's --check: 1) is kept."""
     try:
         return _run(main)
     except KeyboardInterrupt:  # a Ctrl-C that quits at once, wherever it lands (while an outcome is reported, too)
@@ -142,7 +143,7 @@ def _run(main):
     _undo_if_nothing_kept.clear()  # only this run's (the tests run several in one process)
     training_over = False
     try:
-        main()
+        code = main()
     except UsageError as err:
         if reports_for_the_job() or isinstance(err, DamagedWindow):  # one line per launch; 2 on every process
             print(f"error: {err}", file=sys.stderr)
@@ -159,7 +160,7 @@ def _run(main):
         print(f"training failed: {err}", file=sys.stderr)
         return EXIT_FAILED
     except Interrupted as err:
-        if os.environ.get("RANK", "0") == "0":  # in 02 every rank stops: one message for the job
+        if os.environ.get("RANK", "0") == "0":  # in 02 and 03 every rank stops: one message for the job
             print(f"stopped by {err} after step {err.step:06d}; the checkpoint is saved and whole. To go on:\n"
                   f"  {resume_hint}", file=sys.stderr)
         return 128 + err.signum
@@ -170,4 +171,4 @@ def _run(main):
         print(f"error: another process of this job ended (its own output says why), so this one stops too: "
               f"{first_line}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK
+    return EXIT_OK if code is None else code

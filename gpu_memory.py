@@ -66,8 +66,9 @@ def memory_metrics(device):
 
 
 def peaks_since_start(device):
-    """(allocated, reserved) GiB: the allocator's peaks since the process started, the first interval's (whose
-    counters end_of_warm_up reset) included; CUDA only."""
+    """(allocated, reserved) GiB: the allocator's peaks since its counters were reset before the first step (by
+    --memory-snapshot as it starts recording: the one caller), the first interval's included though end_of_warm_up
+    resets the counters after it; CUDA only."""
     import torch
 
     now = (torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB)

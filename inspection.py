@@ -1,7 +1,8 @@
 """Looking inside a run: --profile and --memory-snapshot, the same in every stage.
 
-Configuration, not code in the loop: the stage asks off_clock() before a step, labels the step's parts with
-region() and calls step_done() after it; with both flags off every call does nothing.
+Configuration, not code in the loop: the stage labels a step's parts with region(), and the run's books
+(progress.TrainingProgress.timed_step) ask off_clock() before each step and call step_done() after it; with both
+flags off every call does nothing.
 """
 
 import contextlib
@@ -89,10 +90,12 @@ class RunInspection:
         clear_end = steps_for_a_clear_window(first_step, *between_steps) if args.profile else None
         if args.profile and total_steps < profiled_last:  # the run to suggest: one whose window is clear
             last = clear_end or profiled_last
+            longer = [f"--max-steps {last} or more (or 0)"] if 0 < args.max_steps < last else []
+            if steps_per_epoch and args.epochs * steps_per_epoch < last:  # the epochs end the run first
+                longer.append(f"--epochs {-(-last // steps_per_epoch)} or more")
             raise UsageError(f"--profile records steps {last - PROFILE_ACTIVE} to {last - 1}"
                              + (" (after the warm-up, with no evaluation among them)" if clear_end else "")
-                             + f", but this run's last step is {total_steps - 1}: use --max-steps {last} or more "
-                               "(or 0)")
+                             + f", but this run's last step is {total_steps - 1}: use {' and '.join(longer)}")
         is_writer = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
         self.profiler = self.snapshot = None
         if args.profile and is_writer:

@@ -129,7 +129,7 @@ class TrainingProgress:
     def log(self, train_loss, val_loss):
         """The log line and its history entry. Step tok/s counts the interval since the previous line; Avg tok/s
         every interval but the first, which holds the warm-up. Where the hardware's FLOPs differ from the model's
-        (03's recomputed blocks), the line adds HFU, and the entry has it too. The first call also ends the warm-up
+        (03's recomputed blocks), the line adds HFU; 03's entries always have it. The first call also ends the warm-up
         for the memory figures: on CUDA it empties the allocator's cache and resets its peaks (gpu_memory)."""
         seconds = self.clock.take()
         interval_tokens, now, setup = self.interval_tokens, self.now, self.setup

@@ -13,7 +13,7 @@ import re
 # Peaks (no sparsity) from NVIDIA's data sheets and architecture whitepapers (docs/measuring.md, "Reading the log",
 # lists them with their sources); None where the GPU has no such tensor-core format. bf16 and fp16 are with float32
 # accumulation, as autocast's matmuls run (half rate on GeForce cards). Sheets that quote figures "with sparsity"
-# are halved. The same rows' memory bandwidth is the cost model's (cost_model/step_model.py, BANDWIDTH_GB_PER_S).
+# are halved. The same rows' memory bandwidth is the cost model's (cost_model/gpus.py, BANDWIDTH_GB_PER_S).
 # More specific names first: "H100 NVL" before "H100", "A100" before "A10"; "A100" alone is the SXM 80 GB part.
 PEAK_TFLOPS = (
     (r"GB200", (2500.0, 2500.0, 1250.0, 80.0)),       # per Blackwell GPU (a superchip holds two)
@@ -115,7 +115,8 @@ def mfu(tokens_per_sec, flops_per_tok, peak):
 
 def counted_flops_per_token(build_model, context_length):
     """One training step's FLOPs per token (forward and backward), counted by torch.utils.flop_counter: the check of
-    flops_per_token's formula (the tests count every stage and model size; runs use the formula and count nothing).
+    flops_per_token's formula (the tests count 00 and 01, 00 at every model size and 03's recomputation; runs use
+    the formula and count nothing).
 
     The model is built on the meta device, so nothing is allocated or computed: a CPU counts the full-size
     model in well under a second. Like the formula, the counter sees only matrix multiplications (no embedding

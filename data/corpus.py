@@ -22,7 +22,7 @@ USER_CACHE_NAME = "fast-gpt2-training"
 CACHE_VARIABLE = "FAST_GPT2_CACHE"  # a folder for the cached texts and prepared corpora instead of those two
 ENDOFTEXT = "<|endoftext|>"
 CORPORA = ("shakespeare", "middlemarch")
-# Project Gutenberg ebook 145, the corpus of the original tutorial; MIDDLEMARCH_URL points elsewhere (a mirror).
+# Project Gutenberg ebook 145, the corpus of the original tutorial; the variable MIDDLEMARCH_URL names a mirror instead.
 MIDDLEMARCH_URL = "https://www.gutenberg.org/cache/epub/145/pg145.txt"
 DOWNLOAD_TIMEOUT_S = 30
 
@@ -102,7 +102,7 @@ def _cached(name, build, cache_dir=None):
             write_atomically(path, build().encode("utf-8"))
         except OSError as err:
             raise UsageError(f"cannot write the corpus cache {path} ({err.strerror}): make {cache_dir} writable, "
-                             "or set XDG_CACHE_HOME to a writable folder") from None
+                             f"or set {CACHE_VARIABLE} to a writable folder") from None
     return path
 
 

@@ -9,7 +9,8 @@ that holds the cut is cut there, as the book cuts its one text.
 
 The sources are cut into chunks (at a line break between two visible characters, where GPT-2's tokenizer would
 split anyway: the tokens are those of the whole text) that the worker processes tokenize in parallel. Each chunk
-becomes one shard: raw little-endian uint16 token ids, 2 bytes a token. `corpus.json` describes them: the
+becomes one shard (the chunk that holds the validation cut, two): raw little-endian uint16 token ids, 2 bytes a
+token. `corpus.json` describes them: the
 tokenizer, each shard's tokens, the sources with their sizes, the split.
 
 Everything is written into DIR.partial and moved to DIR only when whole, so a run never reads a half-written shard
@@ -413,8 +414,8 @@ def main(argv=None):
                         help="the share of the characters, at the end, that validates (default: 0.1, the book's "
                              "last 10%%; a large corpus needs far less, e.g. 0.001)")
     parser.add_argument("--chunk-mb", type=float, default=32, metavar="MB",
-                        help="text per chunk and so per shard, at most (default: 32; smaller for a small corpus, so "
-                             "that every worker gets several)")
+                        help="text per chunk, in MiB, and so per shard: each chunk ends at the next safe cut after "
+                             "it (default: 32; smaller for a small corpus, so that every worker gets several)")
     parser.error = lambda message: (print(f"python -m data.prepare: error: {message} (see --help)", file=sys.stderr),
                                     sys.exit(2))
     args = parser.parse_args(argv)

@@ -238,7 +238,7 @@ def test_stage_02_trains_on_the_cpu_of_a_mac_and_refuses_mps(monkeypatch, capsys
     assert devices.pick_device("auto", distributed=True) == torch.device("cpu")
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and "no backend for MPS" in printed[0]
-    with pytest.raises(failures.UsageError, match="DDP cannot run there"):
+    with pytest.raises(failures.UsageError, match="neither DDP nor FSDP runs there"):
         devices.pick_device("mps", distributed=True)
 
 

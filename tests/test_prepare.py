@@ -310,7 +310,7 @@ def test_a_stage_refuses_a_damaged_folder_in_one_line(prepared, tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "cut short" in result.stderr, result.stderr
 
 
-def test_splits_too_short_for_a_step_or_a_window_are_refused(tmp_path, stage01):
+def test_splits_too_short_for_a_step_or_a_window_are_refused(tmp_path, stage01, monkeypatch):
     """What the stages check on a prepared folder's windows (cli.check_splits, exit code 2 through the stages'
     error handling, as tests/test_cli_00.py shows for text files): a training split shorter than one optimizer
     step of --tiny's batch of 4, a validation split shorter than one window of 64 + 1 tokens."""
@@ -335,6 +335,15 @@ def test_splits_too_short_for_a_step_or_a_window_are_refused(tmp_path, stage01):
     assert train >= 4 and val == 0
     with pytest.raises(UsageError, match="validation split .* --val-fraction"):
         cli.check_splits(args, train, val, context)
+    # what to lower: only what this run has more than one of (accumulation steps, processes)
+    for accumulation, world_size, hints in ((1, 1, []), (2, 1, ["fewer --grad-accum-steps"]),
+                                            (1, 4, ["fewer processes"])):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        with pytest.raises(UsageError) as refused:
+            cli.check_splits(argparse.Namespace(data="DIR", batch_size=train + 1, grad_accum_steps=accumulation),
+                             train, 1, context)
+        assert [hint for hint in ("fewer --grad-accum-steps", "fewer processes") if hint in str(refused.value)] == \
+            hints, str(refused.value)
 
 
 def test_shards_pickle_without_their_maps(prepared):

@@ -165,6 +165,14 @@ def test_resume_refuses_bad_checkpoints(tmp_path, tiny_checkpoint, case):
     assert sorted(path.name for path in out.iterdir()) == ["model.pth"], "a lock file left behind"
 
 
+def test_an_exit_code_that_main_returns_is_kept():
+    """A stage's main() returns nothing (exit 0); a tool's may return its own code, as a --check that finds a page
+    out of date returns 1: failures.run must pass it on, not turn it into 0."""
+    assert failures.run(lambda: None) == failures.EXIT_OK
+    assert failures.run(lambda: 1) == 1
+    assert failures.run(lambda: failures.EXIT_USAGE) == failures.EXIT_USAGE
+
+
 def test_under_torchrun_a_usage_error_found_alike_is_printed_by_the_first_process_of_each_node(
         monkeypatch, capsys, tmp_path):
     """Every process of a job checks the same command line, files and checkpoint: the line comes once per node,
@@ -362,6 +370,6 @@ def test_a_changed_global_batch_names_the_accumulation_that_keeps_it(monkeypatch
     assert refusal(8, 2).endswith("; with this --batch-size and these processes: --grad-accum-steps 1")
     assert refusal(3, 1).endswith("; for example --batch-size 2 --grad-accum-steps 4")  # 3 does not divide 8
     assert refusal(16, 1).endswith("; for example --batch-size 8 --grad-accum-steps 1")
-    assert refusal(2).endswith("; --batch-size 8")  # stage 00: no --grad-accum-steps, one process
+    assert refusal(2).endswith("keep the global batch, --batch-size; --batch-size 8")  # stage 00: no accumulation
     monkeypatch.setenv("WORLD_SIZE", "3")  # 8 sequences cannot be shared by 3 processes
     assert refusal(3, 1).endswith("(how it is split may change)")
