@@ -45,7 +45,8 @@ calls, the collectives, the optimizer's step; the rest is Python, autograd's eng
 profiler slows each event, so the second table's steps are longer than the first's: read it for where the time goes,
 the first for how much. On a GPU the regions hold only the host's side (the kernels run apart); on a CPU, the
 arithmetic too (inside the compiled graphs, and FSDP2's copies inside its hooks).
-Exit code 0 with the table; 2 with one line for an unknown run or a device this machine lacks.
+Exit code 0 with the table; 1 when a run's process failed (its error printed); 2 with one line for an unknown run
+or a device this machine lacks.
 """
 
 import argparse

@@ -18,7 +18,7 @@ another device, with another PyTorch or with other settings (--model, --tiny, --
   python bench/ladder.py --rungs 0-5          # a part; then --rungs 6-12 into the same folder
   python bench/ladder.py --tiny               # every rung, tiny model: a few minutes on a CPU
   python bench/ladder.py --rungs 0,8,10       # a subset (ranges work too: 0-7)
-  python bench/ladder.py --batch-size 8       # a GPU with less memory: every rung at batch 8
+  python bench/ladder.py --batch-size 4       # a GPU with less memory: every rung at batch 4
   python bench/ladder.py --model gpt2-medium  # another of the book's GPT-2 sizes
   python bench/ladder.py --rungs 6-7 --context-length 2048   # windows of 2,048 tokens (rungs 0-10 only)
   python bench/ladder.py --check-scripts      # also run 00 and 01 as they are, beside rungs 0 and 10
@@ -31,7 +31,7 @@ limit, and the part ends by printing the command that measures what is left (wit
 With --rungs missing the next part is the same command: it measures what the folder lacks.
 
 Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with
---rungs none when the script checks ran; 1 when none was, 2 for a wrong command line or a part that does not
+--rungs none when every script check ran without an error; 1 when none was (or a check failed), 2 for a wrong command line or a part that does not
 match the folder's, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP; the rungs done so far are kept).
 """
 

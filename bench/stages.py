@@ -31,7 +31,7 @@ and go to a folder of their own (bench/results/<gpu>-<option>/stages/): what a l
 compilation included, beside the plain runs of the stages' folder. 00 compiles nothing and takes no option.
 
 Exit code 0 when every run finished, 1 when one failed (its row says how; its log has the rest), 2 for a
-wrong command line, 130 on Ctrl-C.
+wrong command line, 130 on Ctrl-C (143 and 129 on SIGTERM and SIGHUP).
 """
 
 import argparse
@@ -119,14 +119,18 @@ def chosen_runs(text, options=()):
 
 def command_of(name, args, run_dir):
     """(the command as a user types it, the command this script starts) for run `name`; with options, the script
-    started through bench/script_with_options.py, which switches them on first."""
+    started through bench/script_with_options.py, which switches PyTorch's settings on first (an option that is an
+    environment variable, expandable-segments, is set by measure(), and shown before the command)."""
+    from bench.rungs import SCRIPT_SETTINGS, option_environment
+
     typed, flags, _ = RUNS[name]
     if args.tiny:
         flags = ("--tiny", "--max-steps", str(TINY_STEPS), "--eval-freq", "4")
     flags = (*flags, *(("--device", args.device) if args.device != "auto" else ()))
-    options = tuple(part for option in args.option for part in ("--option", option))
+    options = tuple(part for option in args.option if option in SCRIPT_SETTINGS for part in ("--option", option))
     script = ("bench/script_with_options.py", *options, typed[-1]) if options else typed[-1:]
     shown = ("python", *script, *flags) if typed[0] != "torchrun" else (*typed[:-1], *script, *flags)
+    shown = (*(f"{key}={value}" for key, value in option_environment(args.option).items()), *shown)
     launcher = ([sys.executable, *SINGLE_NODE_TORCHRUN, *typed[2:-1], "--log-dir", run_dir / "torchrun"]
                 if typed[0] == "torchrun" else [sys.executable])
     return shlex.join(shown), [*launcher, ROOT / script[0], *script[1:], *flags, "--out", run_dir]
@@ -154,7 +158,7 @@ def measure(name, args, out):
     row = {"run": name, "command": shown, "command_seconds": round(seconds, 1), "error": None}
     metrics_path = run_dir / "metrics.json"
     if code != 0 or not metrics_path.exists():
-        return {**row, "error": failure_from_output(code, tail, args.run_timeout)}
+        return {**row, "error": failure_from_output(code, tail, args.run_timeout, limit="--run-timeout")}
     metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
     log = metrics.get("log") or [{}]
     row.update({key: metrics.get(key) for key in ("steps", "tokens_seen", "avg_tok_per_sec", "mfu", "reserved_gb",
@@ -319,7 +323,7 @@ def main(argv=None):
         print(f"error: {err}", file=sys.stderr)
         return failures.EXIT_USAGE
     except OSError as err:
-        print(f"error: cannot write into {args.out}: {err.strerror or err}", file=sys.stderr)
+        print(f"error: cannot write into {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
         return failures.EXIT_USAGE
     stop_on_signals()  # SIGTERM and SIGHUP as Ctrl-C: the run in progress is stopped with everything it started
     failed = False

@@ -348,7 +348,7 @@ def main(argv=None):
     chunk_tokens = chunked_loss.CHUNK_TOKENS if args.chunked_loss else None
     if args.grad_accum_steps < 1:
         parser.error(f"--grad-accum-steps must be at least 1, not {args.grad_accum_steps}")
-    print(f"Tracing rung {args.rung}'s compiled step on the meta device (10-25 s on a CPU) ...", file=sys.stderr,
+    print(f"Tracing rung {args.rung}'s compiled step on fake tensors (10-25 s on a CPU) ...", file=sys.stderr,
           flush=True)
     memory = trace_step(args.rung, args.model, args.batch_size, args.budget, chunk_tokens=chunk_tokens)
     memory.grad_accum_steps = args.grad_accum_steps

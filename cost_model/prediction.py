@@ -57,13 +57,14 @@ TUTORIAL_SAME_WORK = range(0, 5)  # its rungs 0-4 ran 00's code at batch 8 as ru
 
 def measured_ladders(gpu_name):
     """({folder: {rung: tok/s}}, {folder: where and when}) of the committed ladders measured alike (the stages'
-    batch, gpt2-small, no options, one GPU) on the GPU named."""
+    batch and context, gpt2-small at full size, no options, one GPU) on the GPU named."""
     found, when, dates = {}, {}, {}
     for folder in sorted(path for path in RESULTS.iterdir() if (path / "rows").is_dir()):
         for row in read_rows(folder, "ladder.json").values():
             context, settings = row["context"], row["context"]["settings"]
             if "rung" in row and row.get("tokens_per_sec") and row.get("world_size", 1) == 1 and not (
                     settings.get("batch_size") or settings.get("options") or settings.get("model") != "gpt2-small"
+                    or settings.get("tiny") or settings.get("context_length")
                     or not same_gpu(gpu_name, context["device_name"])):
                 found.setdefault(folder.name, {})[row["rung"]] = row["tokens_per_sec"]
                 dates.setdefault(folder.name, set()).add(row["measured_at"][:10])  # a ladder measured in parts
@@ -126,8 +127,7 @@ def fitted_for(gpu, counted_steps=None):
     mine = next((gen for pattern, gen in GENERATIONS if re.search(pattern, gpu.name, re.IGNORECASE)), None)
     fitted_gen = mine if mine in FITS else min(FITS, key=lambda gen: abs(order.index(gen) - order.index(mine or gen)))
     how = (f"{mine} GPU, fitted on {mine}" if mine == fitted_gen else
-           f"{mine or 'unknown'} GPU: the {fitted_gen} fit, the nearest generation measured"
-           + ("" if mine and order.index(mine) > order.index(fitted_gen) else ", an extrapolation"))
+           f"{mine or 'unknown'} GPU: the {fitted_gen} fit, the nearest generation measured, an extrapolation")
     return {**_fit_of(fitted_gen, counted_steps), "how": how}
 
 
