@@ -61,7 +61,8 @@ MATCHED = {"device_name": "device", "gpu_count": "visible GPUs", "torch": "PyTor
            **{f"settings.{key}": name for key, name in (
                ("device", "device"), ("model", "--model"), ("tiny", "--tiny"), ("batch_size", "--batch-size"),
                ("data", "--data"), ("seed", "--seed"), ("warmup_steps", "--warmup"), ("steps", "--steps"),
-               ("windows", "--windows"), ("options", "--option"))}}
+               ("windows", "--windows"), ("options", "--option"), ("context_length", "--context-length"))}}
+STAGES_CONTEXT = 1024  # what every stage trains at (a row's context_length None); tests/test_ladder.py checks it
 ROOFLINE_NAME = "roofline.json"
 SHIPPED_ROOFLINES = ROOT / "docs" / "roofline"  # cost_model/roofline.py's for the GPUs of the README
 
@@ -182,7 +183,7 @@ def read_roofline(path):
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         ceilings = {int(entry["rung"]): float(entry["ceiling_tok_per_sec"]) for entry in data["rungs"]
                     if entry.get("ceiling_tok_per_sec") is not None}
-        modelled = {key: data[key] for key in ("model", "batch_size") if key in data}
+        modelled = {key: data[key] for key in ("model", "batch_size", "context_length") if key in data}
         predictions = {int(entry["rung"]): float(entry["predicted_tok_per_sec"]) for entry in
                        data["rungs"] + data.get("predicted_one_gpu_rungs", []) if "predicted_tok_per_sec" in entry}
         return {"path": str(path), "gpu": str(data["gpu"]), "modelled": modelled, "ceilings": ceilings,
@@ -192,7 +193,7 @@ def read_roofline(path):
 
 
 def roofline_mismatch(roofline, device_name, settings):
-    """Why a roofline does not model the rungs measured (another GPU, model or batch), or None when it does."""
+    """Why a roofline does not model the rungs measured (another GPU, model, batch or context), or None when it does."""
     if not same_gpu(roofline["gpu"], device_name):
         return f"it models the {roofline['gpu']}, not the {device_name}"
     if settings.get("tiny"):
@@ -200,6 +201,10 @@ def roofline_mismatch(roofline, device_name, settings):
     for key, flag in (("model", "--model"), ("batch_size", "--batch-size")):
         if key in roofline["modelled"] and roofline["modelled"][key] != settings.get(key):
             return f"it models {flag} {roofline['modelled'][key]}, the rungs ran with {settings.get(key)}"
+    modelled, trained = (roofline["modelled"].get("context_length") or STAGES_CONTEXT,
+                         settings.get("context_length") or STAGES_CONTEXT)
+    if modelled != trained:
+        return f"it models context {modelled:,}, the rungs trained at {trained:,}"
     return None
 
 

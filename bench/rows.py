@@ -50,7 +50,8 @@ def differences(there, here, matched):
         return context
 
     def shown(key, item):
-        return ("the stages' own" if key.endswith("batch_size") else "none") if item is None else str(item)
+        own = key.endswith(("batch_size", "context_length"))  # None: the stages' own, not an absent value
+        return ("the stages' own" if own else "none") if item is None else str(item)
 
     return [f"{name}: {shown(key, value(there, key))} there, {shown(key, value(here, key))} here"
             for key, name in matched.items() if value(there, key) != value(here, key)]

@@ -1236,10 +1236,17 @@ def test_the_context_length_is_recorded_in_the_settings_and_a_part_at_another_is
     found = hand_made_rows({6: (100.0, 1.0)})  # measured without the flag: the stages' own context
     here = hand_made_context()
     here["settings"]["context_length"] = 2048
-    with pytest.raises(report.UsageError, match="--context-length: none there, 2048 here"):
+    with pytest.raises(report.UsageError, match="--context-length: the stages' own there, 2048 here"):
         rows.refuse_a_different_part(found, here, ladder.MATCHED, "out", "rungs")
     here["settings"]["context_length"] = None
     rows.refuse_a_different_part(found, here, ladder.MATCHED, "out", "rungs")  # rows written before the flag: alike
+    # a roofline models one context: the stages' own unless it says otherwise; report renders none for another
+    assert report.STAGES_CONTEXT == rungs.stage_context_length(tiny=False)
+    roofline = report.read_roofline(ROOT / "docs" / "roofline" / "H100" / "roofline.json")
+    settings = {**found["rung-06"]["context"]["settings"], "model": roofline["modelled"].get("model")}
+    assert report.roofline_mismatch(roofline, roofline["gpu"], settings) is None
+    assert report.roofline_mismatch(roofline, roofline["gpu"], {**settings, "context_length": 2048}) == (
+        "it models context 1,024, the rungs trained at 2,048")
 
 
 def test_the_stages_own_context_is_no_change_and_rungs_11_12_keep_theirs():
