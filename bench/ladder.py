@@ -30,9 +30,10 @@ limit, and the part ends by printing the command that measures what is left (wit
 --check-scripts runs are). A run that outlasts that judgement is stopped at the limit and starts the next part.
 With --rungs missing the next part is the same command: it measures what the folder lacks.
 
-Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with
---rungs none when every script check ran without an error; 1 when none was (or a check failed), 2 for a wrong command line or a part that does not
-match the folder's, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP; the rungs done so far are kept).
+Exit code: 0 when at least one rung was measured (failed rungs are reported on their rows), or with --rungs none
+when every script check ran without an error; 1 when none was (or a check failed), 2 for a wrong command line or a
+part that does not match the folder's, 130 when interrupted (143 / 129 for SIGTERM / SIGHUP; the rungs done so far
+are kept).
 """
 
 import argparse
@@ -102,7 +103,7 @@ def build_parser():
                              "holds no row for, then the --check-scripts runs it lacks: the same command again goes "
                              "on where the last one stopped) (default: all; with --option, the rungs every "
                              "option named applies to: 0-10 for most, 0-12 for the settings the stage scripts take "
-                             "too; 0-10 with --context-length)")
+                             "too, 0-11 for nested-compile-region, 12 for fsdp-one-unit; 0-10 with --context-length)")
     parser.add_argument("--model", choices=tuple(cli.MODEL_SIZES), default="gpt2-small",
                         help="which of the book's GPT-2 sizes every rung trains; --tiny replaces it with the "
                              "stages' tiny model (default: gpt2-small)")
@@ -133,15 +134,17 @@ def build_parser():
                                       "--context-length, -<option> for each --option and -tiny under --tiny)")
     parser.add_argument("--roofline", metavar="PATH",
                         help=f"cost_model/roofline.py's {report.ROOFLINE_NAME} for this GPU: a measured / ceiling column "
-                             "(default: the one in the results folder, if it models the same GPU)")
+                             "(default: the one in the results folder, else the one docs/roofline/ ships for this GPU, "
+                             "where it models these rungs)")
     parser.add_argument("--check-scripts", action="store_true",
                         help="also run 00_orig.py and 01_opt_single_gpu.py as they are, with the same steps, "
                              "and set their own tok/s beside rungs 0 and 10 (a cross-check of the composition)")
     parser.add_argument("--option", action="append", default=[], choices=tuple(OPTIONS), metavar="NAME",
                         help=f"a change to try on top of the rungs before it goes into the stages "
                              f"({', '.join(OPTIONS)}; repeatable; each row's notes say what it sets; the composed "
-                             "rungs 0-10 take them all, the stage scripts 11 and 12 the settings of PyTorch, "
-                             "grad-accum and expandable-segments); the results "
+                             "rungs 0-10 take them all but fsdp-one-unit, the stage scripts 11 and 12 the settings of "
+                             "PyTorch, grad-accum and expandable-segments, 11 nested-compile-region, 12 alone "
+                             "fsdp-one-unit); the results "
                              "go to a folder of their own (-<option> appended), whose table sets each rung "
                              "beside the same rung measured without options in a folder beside it")
     parser.add_argument("--time-limit", type=cli.whole_number(1), metavar="SECONDS",

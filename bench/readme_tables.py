@@ -14,8 +14,8 @@ settings (00, 01 and 02 of each GPU: the ladder's tok/s, MFU and memory, and the
 Nothing is typed by hand, so a figure is always one of a folder's, and --check (run by the test suite on the folder
 the results page names) notices a page edited by hand or a folder measured again.
 
-Only a ladder at the stages' own settings fills the table: not --tiny, gpt2-small, each stage's own batch, no
---option (exit code 2 for another, naming what differs).
+Only a ladder at the stages' own settings fills the table: not --tiny, gpt2-small, each stage's own batch and
+context, no --option (exit code 2 for another, naming what differs).
 """
 
 import argparse
@@ -343,7 +343,7 @@ def differences(text, expected):
 def main(argv=None):
     parser = cli.OneLineParser(prog="bench/readme_tables.py", description=__doc__, allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", help="a results folder: bench/results/<gpu> (ladder.json, stages/stages.json)")
+    parser.add_argument("folder", help="a results folder: bench/results/<gpu> (its rows/ and stages/rows/)")
     parser.add_argument("--check", action="store_true", help="change nothing: exit 1 where a page differs")
     parser.add_argument("--page", default=str(PAGE), help="the results page to fill or check (default: docs/results.md)")
     parser.add_argument("--readme", default=str(README), help="the README whose glance table to fill or check "

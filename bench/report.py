@@ -4,8 +4,9 @@ bench/ladder.py measures rungs, each into a row file of the results folder's row
 the rows present into those three files, whichever commands measured them: a ladder measured in parts
 (--rungs 0-5, then --rungs 6-12) is one table because its rows lie in one folder.
 
-When a roofline.json that cost_model/roofline.py wrote for the same GPU lies in the results folder (or --roofline
-names one), the table gains a column: each rung's measured tok/s over the ceiling modelled for it.
+When a roofline.json that cost_model/roofline.py wrote for the same GPU and settings lies in the results folder (or
+--roofline names one; else the one docs/roofline/ ships for the GPU), the table gains a column: each rung's
+measured tok/s over the ceiling modelled for it.
 
 Run alone, it renders the three files again from the folder's rows, with no rung run again (after roofline.json was
 written beside them, or after a part was stopped before its chart):
@@ -193,7 +194,8 @@ def read_roofline(path):
 
 
 def roofline_mismatch(roofline, device_name, settings):
-    """Why a roofline does not model the rungs measured (another GPU, model, batch or context), or None when it does."""
+    """Why a roofline does not model the rungs measured (another GPU, model, batch or context), or None when it
+    does."""
     if not same_gpu(roofline["gpu"], device_name):
         return f"it models the {roofline['gpu']}, not the {device_name}"
     if settings.get("tiny"):
