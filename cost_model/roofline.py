@@ -123,9 +123,10 @@ def render_markdown(table):
                   "in bf16) are its measurements, not this repository's. Each must lie below the ceiling."]
     lines += predicted_section(table)
     lines += ["", "## What each step removed", "",
-              "Against the rung before, per step of that rung's size (step 10 changes the batch, so it is compared "
-              "per token: its step of 4x the tokens counts as four of the smaller). A negative figure is work a "
-              "step adds.", "",
+              "Against the rung before, per step of that rung's size"
+              + (" (every rung at one batch here, so step 10 changes nothing)" if table["batch_size"] else
+                 " (step 10 changes the batch, so it is compared per token: its step of 4x the tokens counts as four "
+                 "of the smaller)") + ". A negative figure is work a step adds.", "",
               "| step | change | GFLOP removed | GB removed | floor ms removed | of the previous floor |",
               "| ---: | --- | ---: | ---: | ---: | ---: |"]
     steps = [row for row in rows if "removed" in row]
