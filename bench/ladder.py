@@ -171,6 +171,9 @@ def resolve_defaults(args):
                       for name in dict.fromkeys(args.option))  # what each option named applies to, for a refusal
     if args.rungs is None:
         args.rungs = [number for number in allowed if not (args.context_length and number >= 11)]
+        if not args.rungs:  # only rungs 11 and 12 take the options, and --context-length leaves those out
+            raise failures.UsageError(f"--context-length applies to rungs 0-10, and no rung of those takes every "
+                                      f"option named ({takes})")
     named = [] if args.rungs == MISSING else args.rungs  # missing: those of `allowed` without a row (plan.jobs)
     outside = [number for number in named if number not in allowed]
     if outside and args.run_rung is None:

@@ -1226,6 +1226,8 @@ def test_a_context_length_reaches_every_composed_rungs_config_and_its_row_says_s
 def test_the_context_length_is_recorded_in_the_settings_and_a_part_at_another_is_refused():
     args = resolved("--context-length", "2048", "--rungs", "6-7")
     assert args.context_length == 2048
+    with pytest.raises(failures.UsageError, match=r"no rung of those takes every option named \(fsdp-one-unit"):
+        resolved("--context-length", "2048", "--option", "fsdp-one-unit")  # its rung 12 takes no other context
     device_info = {"description": "NVIDIA X", "name": "NVIDIA X", "gpu_count": 1, "cuda": "12.8", "torch": "2.9.0",
                    "python": "3.12", "slug": "nvidia-x"}
     args.argv = ["--context-length", "2048", "--rungs", "6-7"]
