@@ -37,7 +37,6 @@ are kept).
 """
 
 import argparse
-import json
 import re
 import shlex
 import sys
@@ -56,10 +55,6 @@ from bench.rows import MISSING  # noqa: E402
 
 FULL_DEFAULTS = {"warmup": 10, "steps": 30, "windows": 5}
 TINY_DEFAULTS = {"warmup": 2, "steps": 10, "windows": 5}
-# What must be the same in two rows of one folder: report.MATCHED, the context the rungs trained at among it (None in
-# a row: the stages' own, as rows written before --context-length existed were measured).
-MATCHED = report.MATCHED
-
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -234,25 +229,6 @@ def context_of(args, device_info):
     }
 
 
-def roofline_at_context(roofline, args, say=print):
-    """report.find_roofline's roofline, or None where it models another context than the rungs train at (a
-    roofline.json without a context_length models the stages' own); an --roofline that does so is refused."""
-    from bench.rungs import stage_context_length
-
-    if roofline is None:
-        return None
-    own = stage_context_length(tiny=False)  # a roofline models the full-size model (report refuses one for --tiny)
-    modelled = json.loads(Path(roofline["path"]).read_text(encoding="utf-8")).get("context_length") or own
-    trained = args.context_length or own
-    if modelled == trained:
-        return roofline
-    why = f"{roofline['path']} models context {modelled:,}, the rungs train at {trained:,}"
-    if args.roofline:
-        raise failures.UsageError(f"--roofline {why}: give cost_model/roofline.py's at --context-length {trained}")
-    say(f"No ceiling column: {why}")
-    return None
-
-
 def measure(job, args, device_info, logs, timeout):
     """Run one job (a rung, or a --check-scripts run) and return its result, not yet a row."""
     if job.script:
@@ -276,7 +252,7 @@ def run_ladder(args):
     context = context_of(args, device_info)
     # Every check that can refuse this command comes before anything in the folder is written.
     found = rows.read_rows(out, "ladder.json")
-    rows.refuse_a_different_part(found, context, MATCHED, out, "rungs")
+    rows.refuse_a_different_part(found, context, report.MATCHED, out, "rungs")
     missing = args.rungs == MISSING
     planned = [job for job in plan.jobs(args, found, missing)  # rungs 11-12 cannot change their context
                if not (args.context_length and job.rung >= 11)]
@@ -285,8 +261,7 @@ def run_ladder(args):
         print(f"--rungs {MISSING if missing else 'none'}: nothing left to measure: {out / rows.FOLDER} holds "
               f"{' and '.join(held)}", flush=True)
         return failures.EXIT_OK
-    roofline = roofline_at_context(report.find_roofline(out, args.roofline, device_info["name"], context["settings"]),
-                                   args)
+    roofline = report.find_roofline(out, args.roofline, device_info["name"], context["settings"])
     logs = out / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)

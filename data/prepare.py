@@ -10,8 +10,7 @@ that holds the cut is cut there, as the book cuts its one text.
 The sources are cut into chunks (at a line break between two visible characters, where GPT-2's tokenizer would
 split anyway: the tokens are those of the whole text) that the worker processes tokenize in parallel. Each chunk
 becomes one shard (the chunk that holds the validation cut, two): raw little-endian uint16 token ids, 2 bytes a
-token. `corpus.json` describes them: the
-tokenizer, each shard's tokens, the sources with their sizes, the split.
+token. `corpus.json` describes them: the tokenizer, each shard's tokens, the sources with their sizes, the split.
 
 Everything is written into DIR.partial and moved to DIR only when whole, so a run never reads a half-written shard
 and a failed preparation never replaces a good DIR. An interrupted preparation run again with the same sources and

@@ -1239,16 +1239,10 @@ def test_the_context_length_is_recorded_in_the_settings_and_a_part_at_another_is
     here = hand_made_context()
     here["settings"]["context_length"] = 2048
     with pytest.raises(report.UsageError, match="--context-length: the stages' own there, 2048 here"):
-        rows.refuse_a_different_part(found, here, ladder.MATCHED, "out", "rungs")
+        rows.refuse_a_different_part(found, here, report.MATCHED, "out", "rungs")
     here["settings"]["context_length"] = None
-    rows.refuse_a_different_part(found, here, ladder.MATCHED, "out", "rungs")  # rows written before the flag: alike
-    # a roofline models one context: the stages' own unless it says otherwise; report renders none for another
-    assert report.STAGES_CONTEXT == rungs.stage_context_length(tiny=False)
-    roofline = report.read_roofline(ROOT / "docs" / "roofline" / "H100" / "roofline.json")
-    settings = {**found["rung-06"]["context"]["settings"], "model": roofline["modelled"].get("model")}
-    assert report.roofline_mismatch(roofline, roofline["gpu"], settings) is None
-    assert report.roofline_mismatch(roofline, roofline["gpu"], {**settings, "context_length": 2048}) == (
-        "it models context 1,024, the rungs trained at 2,048")
+    rows.refuse_a_different_part(found, here, report.MATCHED, "out", "rungs")  # rows written before the flag: alike
+    assert report.STAGES_CONTEXT == rungs.stage_context_length(tiny=False)  # what a row's None stands for
 
 
 def test_the_stages_own_context_is_no_change_and_rungs_11_12_keep_theirs():
@@ -1270,15 +1264,17 @@ def test_a_wrong_context_length_exits_2_with_one_line(flags, message, tmp_path, 
 
 
 def test_a_roofline_at_another_context_gives_no_ceiling_column(tmp_path):
+    """report.find_roofline: a roofline.json without a context_length models the stages' own (1,024)."""
     path = tmp_path / "roofline.json"
     path.write_text(json.dumps({"gpu": "H100", "rungs": [{"rung": 7, "ceiling_tok_per_sec": 1.0}]}))  # 1,024: no key
-    roofline = report.read_roofline(path)
-    said = []
-    assert ladder.roofline_at_context(roofline, resolved("--rungs", "7"), said.append) is roofline
-    assert ladder.roofline_at_context(roofline, resolved("--context-length", "2048"), said.append) is None
-    assert said == [f"No ceiling column: {path} models context 1,024, the rungs train at 2,048"]
+    said, settings = [], {"model": None, "batch_size": None}
+    assert report.find_roofline(tmp_path, None, "H100", settings, said.append) is not None
+    assert report.find_roofline(tmp_path, None, "H100", {**settings, "context_length": 2048}, said.append) is None
+    assert said == [f"No ceiling column: {path} does not fit these rungs: it models context 1,024, the rungs trained "
+                    "at 2,048"]
     path.write_text(json.dumps({"gpu": "H100", "context_length": 2048, "rungs": []}))
-    assert ladder.roofline_at_context(report.read_roofline(path), resolved("--context-length", "2048")) is not None
-    with pytest.raises(failures.UsageError, match="give cost_model/roofline.py's at --context-length 4096"):
-        ladder.roofline_at_context(report.read_roofline(path), resolved("--context-length", "4096", "--roofline",
-                                                                        str(path)))
+    assert report.find_roofline(tmp_path, None, "H100", {**settings, "context_length": 2048}) is not None
+    with pytest.raises(failures.UsageError, match="models context 2,048, the rungs trained at 4,096"):
+        report.find_roofline(tmp_path, path, "H100", {**settings, "context_length": 4096})
+
+
